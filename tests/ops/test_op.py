@@ -1,0 +1,137 @@
+"""The public op: registration (opcheck, compile, autograd), gradients, input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gspn2  # noqa: F401  (registers the ops)
+from gspn2.ops import gspn_propagate, gspn_propagate_ref
+
+
+def _inputs(B, C, H, W, K, dtype=torch.float64, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, C, H, W, generator=g, dtype=dtype)
+    lam = torch.randn(B, 4, C, H, W, generator=g, dtype=dtype)
+    gates = 2 * torch.randn(B, 4, 3, K, H, W, generator=g, dtype=dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (x, lam, gates))
+
+
+def test_op_is_registered_in_gspn2_namespace():
+    assert hasattr(torch.ops.gspn2, "propagate")
+    assert hasattr(torch.ops.gspn2, "propagate_backward")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_op_matches_reference(dtype, chunk):
+    x, lam, gates = _inputs(2, 4, 5, 7, 2, dtype=dtype)
+    h = gspn_propagate(x, lam, gates, chunk)
+    assert h.shape == (2, 4, 4, 5, 7) and h.dtype == dtype
+    torch.testing.assert_close(h, gspn_propagate_ref(x, lam, gates, chunk))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_op_half_inputs_return_input_dtype(dtype):
+    x, lam, gates = _inputs(1, 2, 4, 6, 1, dtype=torch.float32)
+    h = gspn_propagate(x.to(dtype), lam.to(dtype), gates.to(dtype))
+    assert h.dtype == dtype
+    ref = gspn_propagate_ref(x.to(dtype).double(), lam.to(dtype).double(), gates.to(dtype).double())
+    torch.testing.assert_close(h.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_non_contiguous_inputs():
+    x, lam, gates = _inputs(2, 4, 6, 5, 2)
+    xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, other strides
+    lamt = lam.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+    gbig = torch.randn(2, 4, 3, 2, 6, 10, dtype=torch.float64)
+    gbig[..., ::2] = gates
+    gstrided = gbig[..., ::2]
+    assert not (xt.is_contiguous() or lamt.is_contiguous() or gstrided.is_contiguous())
+    torch.testing.assert_close(gspn_propagate(xt, lamt, gstrided), gspn_propagate(x, lam, gates))
+
+
+@pytest.mark.parametrize(
+    "B,C,H,W,K,chunk", [(1, 2, 3, 4, 1, None), (2, 4, 4, 3, 4, 2), (1, 3, 1, 4, 3, None), (1, 2, 4, 1, 2, 3)]
+)
+def test_gradcheck(B, C, H, W, K, chunk):
+    x, lam, gates = _inputs(B, C, H, W, K, requires_grad=True, seed=11)
+    assert torch.autograd.gradcheck(lambda a, b, c: gspn_propagate(a, b, c, chunk), (x, lam, gates))
+
+
+def test_op_gradients_match_reference_autograd():
+    x, lam, gates = _inputs(2, 4, 6, 5, 1, requires_grad=True, seed=12)
+    h = gspn_propagate(x, lam, gates, 4)
+    grad_h = torch.randn_like(h)
+    got = torch.autograd.grad(h, (x, lam, gates), grad_h)
+    expected = torch.autograd.grad(gspn_propagate_ref(x, lam, gates, 4), (x, lam, gates), grad_h)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_opcheck(chunk):
+    x, lam, gates = _inputs(1, 2, 3, 4, 1, requires_grad=True, seed=13)
+    torch.library.opcheck(torch.ops.gspn2.propagate.default, (x, lam, gates, chunk))
+    x, lam, gates = _inputs(1, 2, 3, 4, 1, seed=13)
+    h = gspn_propagate(x, lam, gates, chunk)
+    torch.library.opcheck(
+        torch.ops.gspn2.propagate_backward.default, (torch.randn_like(h), x, lam, gates, h, chunk)
+    )
+
+
+def test_torch_compile_fullgraph():
+    x, lam, gates = _inputs(1, 2, 4, 5, 1, dtype=torch.float32, requires_grad=True, seed=14)
+
+    def f(x, lam, gates):
+        return (gspn_propagate(x * 2, lam, gates, None) ** 2).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, lam, gates)
+    grads = torch.autograd.grad(loss, (x, lam, gates))
+    loss_ref = f(x, lam, gates)
+    grads_ref = torch.autograd.grad(loss_ref, (x, lam, gates))
+    torch.testing.assert_close(loss, loss_ref)
+    for g, e in zip(grads, grads_ref):
+        torch.testing.assert_close(g, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: each error names the argument
+# ---------------------------------------------------------------------------------------------
+
+
+def _good():
+    return _inputs(2, 4, 3, 5, 2, dtype=torch.float32)
+
+
+def _bad_cases():
+    x, lam, gates = _good()
+    return [
+        ("x rank", (x[0], lam, gates, None), ValueError, r"`x`.*\(B, C, H, W\)"),
+        ("x empty", (x[:, :0], lam[:, :, :0], gates, None), ValueError, r"`x`.*empty"),
+        ("lam rank", (x, lam[:, 0], gates, None), ValueError, r"`lam`.*\(B, 4, C, H, W\)"),
+        ("lam 3 directions", (x, lam[:, :3], gates, None), ValueError, r"`lam`.*\(2, 4, 4, 3, 5\)"),
+        ("lam spatial", (x, lam[..., :4], gates, None), ValueError, r"`lam`"),
+        ("gates rank", (x, lam, gates[:, :, :, 0], None), ValueError, r"`gates`.*\(B, 4, 3, K, H, W\)"),
+        ("gates 2 offsets", (x, lam, gates[:, :, :2], None), ValueError, r"`gates`.*\(2, 4, 3, 2, 3, 5\)"),
+        ("gates 3 directions", (x, lam, gates[:, :3], None), ValueError, r"`gates`"),
+        ("gates batch", (x, lam, gates[:1], None), ValueError, r"`gates`"),
+        ("C % K", (x, lam, torch.randn(2, 4, 3, 3, 3, 5), None), ValueError, r"K = 3.*divide C = 4"),
+        ("chunk 0", (x, lam, gates, 0), ValueError, r"`chunk`.*>= 1"),
+        ("chunk negative", (x, lam, gates, -2), ValueError, r"`chunk`"),
+        ("chunk float", (x, lam, gates, 2.0), TypeError, r"`chunk`"),
+        ("chunk bool", (x, lam, gates, True), TypeError, r"`chunk`"),
+        ("x int", (x.long(), lam, gates, None), TypeError, r"`x`.*float"),
+        ("gates bool", (x, lam, gates > 0, None), TypeError, r"`gates`.*float"),
+        ("mixed dtype", (x, lam.double(), gates, None), TypeError, r"one dtype.*lam=torch.float64"),
+        ("not a tensor", (x.tolist(), lam, gates, None), TypeError, r"`x`.*torch.Tensor"),
+        ("mixed device", (x, lam.to("meta"), gates, None), ValueError, r"one device.*lam=meta"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_input_raises_naming_the_argument(case):
+    _, args, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        gspn_propagate(*args)
