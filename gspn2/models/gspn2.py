@@ -1,0 +1,576 @@
+"""GSPN-2: vision backbones built on generalized spatial propagation with compact channel proxies.
+
+A timm-style model family (blocks -> model -> init -> checkpoint filter -> builder -> cfgs -> registry)
+for GSPN-2-T/S/B (``../shared/SPEC.md`` section 2) plus ``gspn2_micro``, a few-hundred-thousand
+parameter member for tests and CPU demos.
+
+Every tensor is channel-first ``(B, C, H, W)``. No module stores an input resolution: the propagation
+runs over whatever ``H, W`` reach it, so one model serves 224², 1024² and non-square inputs alike, and a
+*global* layer (``chunk=None``) always scans the whole image.
+
+Block (pre-norm residual, with GSPN-2's local perception units)::
+
+    x = x + DWConv3x3(x)                              # LPU
+    x = x + DropPath(mixer(LayerNorm2d(x)))
+    x = x + DWConv3x3(x)                              # LPU
+    x = x + DropPath(mlp(LayerNorm2d(x)))             # 1x1 conv, GELU, 1x1 conv, ratio 4
+
+Mixer (``GSPN2Mixer``), ``C`` channels, ``E = mixer_ratio * C`` hidden, ``P = proxy_dim`` proxy
+channels, ``K = affinity_groups``::
+
+    v, z  = split(Conv1x1(x))                         # (B, E, H, W) each; z gates the output
+    v     = SiLU(DWConv(v))
+    p     = Conv1x1(v)                                # ONE conv: proxy, lambda, u, gate logits of 4 dirs
+    h     = gspn_propagate(p_x, sigmoid(p_lam), p_gates, chunk)     # (B, 4, P, H, W), image frame
+    y     = Conv1x1(concat_d(h_d * u_d)) + D * v      # 4 directions merged in the image frame, back to E
+    out   = Conv1x1(LayerNorm2d(y) * SiLU(z))         # back to C
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import (
+    DropPath,
+    LayerNorm2d,
+    LayerScale2d,
+    Mlp,
+    NormMlpClassifierHead,
+    calculate_drop_path_rates,
+    trunc_normal_,
+)
+from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
+from timm.models._features import feature_take_indices
+
+from gspn2.ops import gspn_propagate
+
+__all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
+
+#: Number of propagation directions of :func:`gspn2.ops.gspn_propagate` (SPEC 1.1).
+NUM_DIRECTIONS = 4
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+
+
+def _check_chunk(name: str, value: object) -> None:
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"`{name}` must be None (global) or an int >= 1 (local), got {value!r}")
+        if value < 1:
+            raise ValueError(f"`{name}` must be None (global) or an int >= 1 (local), got {value!r}")
+
+
+class LocalPerceptionUnit(nn.Module):
+    """``x + DWConv(x)``: a cheap local-context residual in front of the mixer and the MLP.
+
+    Shapes: ``(B, C, H, W) -> (B, C, H, W)``.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 3) -> None:
+        super().__init__()
+        _check_positive_int("dim", dim)
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"`kernel_size` must be a positive odd int, got {kernel_size!r}")
+        self.conv = nn.Conv2d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x)
+
+
+class GSPN2Mixer(nn.Module):
+    """GSPN-2 token mixer: four-direction line-scan propagation on a compact channel proxy.
+
+    All four directions' gates, input gates and output gates come from one 1x1 convolution, are viewed
+    (not copied) as ``(B, 4, ...)`` and go to a single ``gspn_propagate`` call; its output is already in
+    the image frame, so merging is a channel concat plus a 1x1 convolution.
+
+    Args:
+        dim: Input and output channels ``C``.
+        proxy_dim: Channels ``P`` that are propagated (GSPN-2's compact proxy; 2 in the paper).
+        affinity_groups: Affinity groups ``K`` (``P % K == 0``); 1 shares one affinity over all channels.
+        mixer_ratio: Hidden width ``E = round(mixer_ratio * C)`` of the value and gate branches.
+        dw_kernel_size: Kernel of the depthwise convolution on the value branch.
+        chunk: ``None`` for a global scan over the whole image, an int for local scans of that length.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        proxy_dim: int = 2,
+        affinity_groups: int = 1,
+        mixer_ratio: float = 1.0,
+        dw_kernel_size: int = 3,
+        chunk: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        _check_positive_int("dim", dim)
+        _check_positive_int("proxy_dim", proxy_dim)
+        _check_positive_int("affinity_groups", affinity_groups)
+        if proxy_dim % affinity_groups != 0:
+            raise ValueError(
+                f"`affinity_groups` ({affinity_groups}) must divide `proxy_dim` ({proxy_dim})"
+            )
+        if mixer_ratio <= 0:
+            raise ValueError(f"`mixer_ratio` must be > 0, got {mixer_ratio!r}")
+        if dw_kernel_size < 1 or dw_kernel_size % 2 == 0:
+            raise ValueError(f"`dw_kernel_size` must be a positive odd int, got {dw_kernel_size!r}")
+        _check_chunk("chunk", chunk)
+        hidden = max(1, int(round(mixer_ratio * dim)))
+        self.proxy_dim = proxy_dim
+        self.affinity_groups = affinity_groups
+        self.chunk = chunk
+        # Channel layout of the generator output: [proxy x | lambda (4 dirs) | u (4 dirs) | gates (4x3xK)].
+        self.split_sizes = (
+            proxy_dim,
+            NUM_DIRECTIONS * proxy_dim,
+            NUM_DIRECTIONS * proxy_dim,
+            NUM_DIRECTIONS * 3 * affinity_groups,
+        )
+
+        self.in_proj = nn.Conv2d(dim, 2 * hidden, 1)
+        self.conv_dw = nn.Conv2d(hidden, hidden, dw_kernel_size, padding=dw_kernel_size // 2, groups=hidden)
+        self.act = nn.SiLU()
+        self.generate = nn.Conv2d(hidden, sum(self.split_sizes), 1)
+        self.proj_up = nn.Conv2d(NUM_DIRECTIONS * proxy_dim, hidden, 1)
+        self.skip = nn.Parameter(torch.ones(hidden))
+        self.norm = LayerNorm2d(hidden)
+        self.out_proj = nn.Conv2d(hidden, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``."""
+        P, K = self.proxy_dim, self.affinity_groups
+        v, z = self.in_proj(x).chunk(2, dim=1)
+        v = self.act(self.conv_dw(v))
+        xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
+        lam = torch.sigmoid(lam).unflatten(1, (NUM_DIRECTIONS, P))  # (B, 4, P, H, W)
+        gates = gates.unflatten(1, (NUM_DIRECTIONS, 3, K))  # (B, 4, 3, K, H, W) raw logits
+        # The op needs one dtype for all three inputs; under autocast they may differ.
+        h = gspn_propagate(xp, lam.to(xp.dtype), gates.to(xp.dtype), self.chunk)  # (B, 4, P, H, W)
+        y = (h * u.unflatten(1, (NUM_DIRECTIONS, P))).flatten(1, 2)  # (B, 4P, H, W)
+        y = self.proj_up(y) + v * self.skip.view(1, -1, 1, 1).to(v.dtype)
+        # The scan sums along whole lines, so its scale grows with the image: normalise before gating.
+        y = self.norm(y) * self.act(z)
+        return self.out_proj(y)
+
+
+class GSPN2Block(nn.Module):
+    """Pre-norm residual block: LPU, GSPN-2 mixer, LPU, MLP.
+
+    Args:
+        dim: Channels ``C``.
+        mlp_ratio: MLP hidden width as a multiple of ``C``.
+        proxy_dim: Proxy channels of the mixer.
+        affinity_groups: Affinity groups ``K`` of the mixer.
+        mixer_ratio: Hidden width of the mixer as a multiple of ``C``.
+        dw_kernel_size: Depthwise kernel of the mixer.
+        lpu_kernel_size: Depthwise kernel of the two local perception units.
+        chunk: ``None`` global, int local scan length.
+        ls_init_value: Init of LayerScale on both residual branches; ``None`` disables it.
+        drop_path: Stochastic depth rate of both residual branches.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        mlp_ratio: float = 4.0,
+        proxy_dim: int = 2,
+        affinity_groups: int = 1,
+        mixer_ratio: float = 1.0,
+        dw_kernel_size: int = 3,
+        lpu_kernel_size: int = 3,
+        chunk: Optional[int] = None,
+        ls_init_value: Optional[float] = None,
+        drop_path: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if mlp_ratio <= 0:
+            raise ValueError(f"`mlp_ratio` must be > 0, got {mlp_ratio!r}")
+        self.lpu1 = LocalPerceptionUnit(dim, lpu_kernel_size)
+        self.norm1 = LayerNorm2d(dim)
+        self.mixer = GSPN2Mixer(
+            dim,
+            proxy_dim=proxy_dim,
+            affinity_groups=affinity_groups,
+            mixer_ratio=mixer_ratio,
+            dw_kernel_size=dw_kernel_size,
+            chunk=chunk,
+        )
+        self.ls1 = LayerScale2d(dim, ls_init_value) if ls_init_value is not None else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.lpu2 = LocalPerceptionUnit(dim, lpu_kernel_size)
+        self.norm2 = LayerNorm2d(dim)
+        self.mlp = Mlp(dim, int(round(mlp_ratio * dim)), act_layer=nn.GELU, use_conv=True)
+        self.ls2 = LayerScale2d(dim, ls_init_value) if ls_init_value is not None else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``."""
+        x = self.lpu1(x)
+        x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x))))
+        x = self.lpu2(x)
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+class GSPN2Stage(nn.Module):
+    """Optional strided-conv downsampling followed by ``depth`` blocks.
+
+    Args:
+        in_chs: Input channels.
+        out_chs: Output channels.
+        depth: Number of blocks.
+        downsample: Halve the resolution with ``LayerNorm2d -> Conv2x2/2`` first; otherwise
+            ``in_chs`` must equal ``out_chs``.
+        drop_path_rates: One stochastic-depth rate per block.
+        chunk: ``None`` global, int local scan length for every block of the stage.
+        mlp_ratio, proxy_dim, affinity_groups, mixer_ratio, dw_kernel_size, lpu_kernel_size,
+        ls_init_value: see :class:`GSPN2Block`.
+    """
+
+    def __init__(
+        self,
+        in_chs: int,
+        out_chs: int,
+        depth: int,
+        downsample: bool,
+        drop_path_rates: Sequence[float],
+        chunk: Optional[int] = None,
+        mlp_ratio: float = 4.0,
+        proxy_dim: int = 2,
+        affinity_groups: int = 1,
+        mixer_ratio: float = 1.0,
+        dw_kernel_size: int = 3,
+        lpu_kernel_size: int = 3,
+        ls_init_value: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        if len(drop_path_rates) != depth:
+            raise ValueError(f"`drop_path_rates` needs {depth} entries, got {len(drop_path_rates)}")
+        if downsample:
+            self.downsample = nn.Sequential(LayerNorm2d(in_chs), nn.Conv2d(in_chs, out_chs, 2, stride=2))
+        elif in_chs != out_chs:
+            raise ValueError(f"`in_chs` ({in_chs}) must equal `out_chs` ({out_chs}) without downsampling")
+        else:
+            self.downsample = nn.Identity()
+        self.blocks = nn.Sequential(
+            *[
+                GSPN2Block(
+                    out_chs,
+                    mlp_ratio=mlp_ratio,
+                    proxy_dim=proxy_dim,
+                    affinity_groups=affinity_groups,
+                    mixer_ratio=mixer_ratio,
+                    dw_kernel_size=dw_kernel_size,
+                    lpu_kernel_size=lpu_kernel_size,
+                    chunk=chunk,
+                    ls_init_value=ls_init_value,
+                    drop_path=drop_path_rates[i],
+                )
+                for i in range(depth)
+            ]
+        )
+        self.grad_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.downsample(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.blocks, x)
+        return self.blocks(x)
+
+
+class GSPN2(nn.Module):
+    """GSPN-2 backbone and classifier (four stages, strides 4/8/16/32).
+
+    Args:
+        in_chans: Input image channels.
+        num_classes: Classifier outputs; 0 gives a feature model with ``head.fc = Identity``.
+        global_pool: Global pooling type of the head (``'avg'``, ``'max'``, ... or ``''`` for none).
+        depths: Blocks per stage.
+        dims: Channels per stage.
+        stage_chunks: Scan type per stage: ``None`` for global propagation over the whole image,
+            an int ``L`` for local propagation restarting every ``L`` steps.
+        proxy_dim: Proxy channels ``C_proxy`` propagated by every mixer.
+        affinity_groups: Affinity groups ``K`` (1: one affinity per pixel shared by all channels).
+        mixer_ratio: Mixer hidden width as a multiple of the stage width.
+        mlp_ratio: MLP hidden width as a multiple of the stage width.
+        dw_kernel_size: Depthwise kernel inside the mixer.
+        lpu_kernel_size: Depthwise kernel of the local perception units.
+        ls_init_value: LayerScale init; ``None`` disables LayerScale.
+        head_hidden_size: Optional pre-logits hidden layer of the head.
+        drop_rate: Dropout before the classifier.
+        drop_path_rate: Stochastic depth rate, increasing linearly over blocks up to this value.
+    """
+
+    def __init__(
+        self,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "avg",
+        depths: Tuple[int, ...] = (2, 2, 7, 2),
+        dims: Tuple[int, ...] = (96, 192, 384, 768),
+        stage_chunks: Tuple[Optional[int], ...] = (None, None, None, None),
+        proxy_dim: int = 2,
+        affinity_groups: int = 1,
+        mixer_ratio: float = 1.0,
+        mlp_ratio: float = 4.0,
+        dw_kernel_size: int = 3,
+        lpu_kernel_size: int = 3,
+        ls_init_value: Optional[float] = None,
+        head_hidden_size: Optional[int] = None,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+    ) -> None:
+        super().__init__()
+        _check_positive_int("in_chans", in_chans)
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            raise ValueError(f"`num_classes` must be an int >= 0, got {num_classes!r}")
+        depths, dims, stage_chunks = tuple(depths), tuple(dims), tuple(stage_chunks)
+        if len(depths) != 4 or len(dims) != 4:
+            raise ValueError(f"`depths` and `dims` need 4 entries (4 stages), got {depths} and {dims}")
+        for i, (d, c) in enumerate(zip(depths, dims)):
+            _check_positive_int(f"depths[{i}]", d)
+            _check_positive_int(f"dims[{i}]", c)
+        if len(stage_chunks) != len(depths):
+            raise ValueError(f"`stage_chunks` needs {len(depths)} entries, got {stage_chunks}")
+        for i, chunk in enumerate(stage_chunks):
+            _check_chunk(f"stage_chunks[{i}]", chunk)
+        if not 0.0 <= drop_path_rate < 1.0:
+            raise ValueError(f"`drop_path_rate` must be in [0, 1), got {drop_path_rate!r}")
+
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.drop_rate = drop_rate
+        self.grad_checkpointing = False
+
+        # Overlapping stride-4 stem: two 3x3 stride-2 convs keep odd sizes and border pixels.
+        stem_mid = max(1, dims[0] // 2)
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_chans, stem_mid, 3, stride=2, padding=1),
+            LayerNorm2d(stem_mid),
+            nn.GELU(),
+            nn.Conv2d(stem_mid, dims[0], 3, stride=2, padding=1),
+            LayerNorm2d(dims[0]),
+        )
+
+        dp_rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
+        stages = []
+        self.feature_info: List[Dict[str, Union[int, str]]] = []
+        prev_chs, stride = dims[0], 4
+        for i in range(len(depths)):
+            if i > 0:
+                stride *= 2
+            stages.append(
+                GSPN2Stage(
+                    prev_chs,
+                    dims[i],
+                    depth=depths[i],
+                    downsample=i > 0,
+                    drop_path_rates=dp_rates[i],
+                    chunk=stage_chunks[i],
+                    mlp_ratio=mlp_ratio,
+                    proxy_dim=proxy_dim,
+                    affinity_groups=affinity_groups,
+                    mixer_ratio=mixer_ratio,
+                    dw_kernel_size=dw_kernel_size,
+                    lpu_kernel_size=lpu_kernel_size,
+                    ls_init_value=ls_init_value,
+                )
+            )
+            prev_chs = dims[i]
+            self.feature_info.append(dict(num_chs=prev_chs, reduction=stride, module=f"stages.{i}"))
+        self.stages = nn.Sequential(*stages)
+        self.num_features = prev_chs
+
+        self.head = NormMlpClassifierHead(
+            self.num_features,
+            num_classes,
+            hidden_size=head_hidden_size,
+            pool_type=global_pool,
+            drop_rate=drop_rate,
+            norm_layer=LayerNorm2d,
+            act_layer="gelu",
+        )
+        self.head_hidden_size = self.head.num_features
+        named_apply(_init_weights, self)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Union[str, List]]:
+        """Regex groups of parameter names for layer-wise lr decay and similar."""
+        return dict(
+            stem=r"^stem",
+            blocks=r"^stages\.(\d+)"
+            if coarse
+            else [
+                (r"^stages\.(\d+)\.downsample", (0,)),
+                (r"^stages\.(\d+)\.blocks\.(\d+)", None),
+            ],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute block activations in backward to save memory."""
+        self.grad_checkpointing = enable
+        for s in self.stages:
+            s.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """Parameter names to exclude from weight decay (the mixers' per-channel skip scales)."""
+        return {n for n, _ in self.named_parameters() if n.endswith("mixer.skip")}
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(
+        self, num_classes: int, global_pool: Optional[str] = None, reset_other: bool = False
+    ) -> None:
+        """Replace the classifier with one of ``num_classes`` outputs (0: identity)."""
+        self.num_classes = num_classes
+        self.head.reset(num_classes, global_pool, reset_other=reset_other, in_features=self.num_features)
+        self.head_hidden_size = self.head.num_features
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Final features and the outputs of the stages selected by ``indices`` (timm convention).
+
+        ``norm`` is accepted for API compatibility; this model has no pre-head feature norm.
+        """
+        if output_fmt != "NCHW":
+            raise ValueError(f"`output_fmt` must be 'NCHW', got {output_fmt!r}")
+        intermediates = []
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        x = self.stem(x)
+        stages = self.stages if torch.jit.is_scripting() or not stop_early else self.stages[: max_index + 1]
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            if i in take_indices:
+                intermediates.append(x)
+        if intermediates_only:
+            return intermediates
+        return x, intermediates
+
+    def prune_intermediate_layers(
+        self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> List[int]:
+        """Drop stages after the last one ``indices`` needs (and the head if asked)."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        self.stages = self.stages[: max_index + 1]
+        if max_index < len(self.feature_info) - 1:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
+            prune_head = True
+        if prune_head:
+            self.reset_classifier(0, "", reset_other=True)
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, in_chans, H, W) -> (B, dims[-1], ~H/32, ~W/32)``."""
+        x = self.stem(x)
+        return self.stages(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Pool, LayerNorm and classify; ``pre_logits=True`` stops before the linear layer."""
+        return self.head(x, pre_logits=True) if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _init_weights(module: nn.Module, name: Optional[str] = None) -> None:
+    """Truncated-normal (std 0.02) conv and linear weights, zero biases (as ConvNeXt)."""
+    if isinstance(module, (nn.Conv2d, nn.Linear)):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Accept our trainer's checkpoints: unwrap ``model``/``state_dict_ema``/``state_dict`` and strip the
+    ``module.`` (DDP) and ``_orig_mod.`` (``torch.compile``) prefixes. There are no foreign weights to remap."""
+    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
+        if key in state_dict and isinstance(state_dict[key], dict):
+            state_dict = state_dict[key]
+            break
+    out = {}
+    for k, v in state_dict.items():
+        for prefix in ("module.", "_orig_mod."):
+            if k.startswith(prefix):
+                k = k[len(prefix) :]
+        out[k] = v
+    return out
+
+
+def _create_gspn2(variant: str, pretrained: bool = False, **kwargs) -> GSPN2:
+    return build_model_with_cfg(
+        GSPN2,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True),
+        **kwargs,
+    )
+
+
+def _cfg(url: str = "", **kwargs) -> Dict:
+    return {
+        "url": url,
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": (7, 7),
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stem.0",
+        "classifier": "head.fc",
+        "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "gspn2_micro": _cfg(input_size=(3, 32, 32), pool_size=(1, 1)),
+        "gspn2_tiny": _cfg(),
+        "gspn2_small": _cfg(),
+        "gspn2_base": _cfg(),
+    }
+)
+
+
+@register_model
+def gspn2_micro(pretrained: bool = False, **kwargs) -> GSPN2:
+    model_args = dict(depths=(1, 1, 2, 1), dims=(16, 32, 64, 128))
+    return _create_gspn2("gspn2_micro", pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def gspn2_tiny(pretrained: bool = False, **kwargs) -> GSPN2:
+    model_args = dict(depths=(2, 2, 7, 2), dims=(96, 192, 384, 768))
+    return _create_gspn2("gspn2_tiny", pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def gspn2_small(pretrained: bool = False, **kwargs) -> GSPN2:
+    model_args = dict(depths=(5, 5, 10, 2), dims=(108, 216, 432, 864))
+    return _create_gspn2("gspn2_small", pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def gspn2_base(pretrained: bool = False, **kwargs) -> GSPN2:
+    model_args = dict(depths=(4, 4, 15, 4), dims=(120, 240, 480, 960))
+    return _create_gspn2("gspn2_base", pretrained=pretrained, **dict(model_args, **kwargs))
