@@ -1,0 +1,265 @@
+"""Model-level throughput and memory: GSPN-2 against timm peers, side by side in one run.
+
+Inference (img/s, forward only, ``torch.inference_mode``) and training (img/s for forward + backward +
+AdamW step, and peak memory) under bf16 autocast and channels_last, eager and ``torch.compile``.
+
+    python scripts/bench_models.py                                  # the full table (H200: ~10 min)
+    python scripts/bench_models.py --models gspn2_tiny swin_tiny_patch4_window7_224 --modes eager
+    python scripts/bench_models.py --json docs/bench_models.json --md docs/bench_models.md --plot docs/bench_models.png
+
+Absolute figures drift between machines and runs; compare ratios measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import timm
+import torch
+
+import gspn2  # noqa: F401  (registers the gspn2_* models)
+
+DEFAULT_MODELS = [
+    "gspn2_tiny",
+    "gspn2_small",
+    "gspn2_base",
+    "convnext_tiny",
+    "convnext_small",
+    "convnext_base",
+    "swin_tiny_patch4_window7_224",
+    "swin_small_patch4_window7_224",
+    "swin_base_patch4_window7_224",
+    "deit_small_patch16_224",
+    "mambaout_tiny",
+]
+# Inference batch per resolution (SPEC section 4: 256 at 224^2, 8 at 1024^2).
+INFER_BATCH = {224: 256, 512: 32, 1024: 8}
+
+
+@dataclass
+class Result:
+    model: str
+    task: str  # "infer" or "train"
+    mode: str  # "eager" or "compile"
+    resolution: int
+    batch: int
+    params_m: float
+    img_per_s: float | None = None
+    ms_per_iter: float | None = None
+    peak_mem_gb: float | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _create(name: str, resolution: int) -> torch.nn.Module:
+    kwargs = {}
+    # Window and patch-grid models fix their grid at construction; give them the benchmark size.
+    if name.startswith(("swin", "deit", "vit")) and resolution != 224:
+        kwargs["img_size"] = resolution
+    return timm.create_model(name, num_classes=1000, **kwargs)
+
+
+def _time_cuda(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds per call, CUDA events around each call after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_infer(name: str, mode: str, resolution: int, batch: int, warmup: int, iters: int) -> Result:
+    model = _create(name, resolution).cuda().eval().to(memory_format=torch.channels_last)
+    res = Result(name, "infer", mode, resolution, batch, sum(p.numel() for p in model.parameters()) / 1e6)
+    fwd = torch.compile(model) if mode == "compile" else model
+    x = torch.randn(batch, 3, resolution, resolution, device="cuda").to(memory_format=torch.channels_last)
+
+    def step():
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+            fwd(x)
+
+    torch.cuda.reset_peak_memory_stats()
+    ms = _time_cuda(step, warmup, iters)
+    res.ms_per_iter, res.img_per_s = ms, batch / ms * 1e3
+    res.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
+    return res
+
+
+def bench_train(name: str, mode: str, resolution: int, batch: int, warmup: int, iters: int) -> Result:
+    model = _create(name, resolution).cuda().train().to(memory_format=torch.channels_last)
+    res = Result(name, "train", mode, resolution, batch, sum(p.numel() for p in model.parameters()) / 1e6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+    fwd = torch.compile(model) if mode == "compile" else model
+    x = torch.randn(batch, 3, resolution, resolution, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(fwd(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # allocate optimizer state before measuring peak memory
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = _time_cuda(step, warmup, iters)
+    res.ms_per_iter, res.img_per_s = ms, batch / ms * 1e3
+    res.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
+    return res
+
+
+def run_one(fn, *args) -> Result:
+    name, mode, resolution, batch = args[:4]
+    task = "infer" if fn is bench_infer else "train"
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError as exc:
+        return Result(name, task, mode, resolution, batch, float("nan"), error=f"OOM: {str(exc)[:80]}")
+    finally:
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+def environment() -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "timm": timm.__version__,
+        "python": platform.python_version(),
+        "gspn2_backend": _gspn2_backend(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _gspn2_backend() -> str:
+    describe = getattr(gspn2.ops, "describe_backend", None)
+    return describe() if describe is not None else "unknown"
+
+
+def to_markdown(results: list[Result], env: dict) -> str:
+    lines = [
+        f"GPU {env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), timm {env['timm']}, "
+        f"bf16 autocast, channels_last. gspn2 backend: {env['gspn2_backend']}.",
+        "",
+        "| model | params (M) | task | mode | res | batch | img/s | ms/iter | peak mem (GB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.model} | | {r.task} | {r.mode} | {r.resolution} | {r.batch} | {r.error} | | |")
+            continue
+        lines.append(
+            f"| {r.model} | {r.params_m:.1f} | {r.task} | {r.mode} | {r.resolution} | {r.batch} | "
+            f"{r.img_per_s:.0f} | {r.ms_per_iter:.2f} | {r.peak_mem_gb:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def ratios(results: list[Result], ours: str, peers: list[str]) -> list[str]:
+    """``ours / peer`` throughput ratios for every (task, mode, resolution) both ran."""
+    index = {(r.model, r.task, r.mode, r.resolution): r for r in results if not r.error}
+    out = []
+    for (model, task, mode, res), r in sorted(index.items()):
+        if model != ours:
+            continue
+        for peer in peers:
+            p = index.get((peer, task, mode, res))
+            if p is not None:
+                out.append(f"{ours} / {peer} [{task}, {mode}, {res}^2]: {r.img_per_s / p.img_per_s:.2f}x "
+                           f"throughput, {r.peak_mem_gb / p.peak_mem_gb:.2f}x peak memory")
+    return out
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if not r.error and r.resolution == 224 and r.mode == "eager"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, task in zip(axes, ("infer", "train")):
+        sel = [r for r in rows if r.task == task]
+        ax.barh([r.model for r in sel], [r.img_per_s for r in sel],
+                color=["tab:red" if r.model.startswith("gspn2") else "tab:gray" for r in sel])
+        ax.set_xlabel("img/s (224^2, bf16, eager)")
+        ax.set_title(task)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    parser.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
+    parser.add_argument("--train-resolutions", nargs="+", type=int, default=[224])
+    parser.add_argument("--infer-resolutions", nargs="+", type=int, default=[224, 512, 1024])
+    parser.add_argument("--train-batch", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default=None, help="write all results here")
+    parser.add_argument("--md", default=None, help="write the markdown table here")
+    parser.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_models.py needs a CUDA GPU")
+    unknown = [m for m in args.models if not timm.is_model(m)]
+    if unknown:
+        raise SystemExit(f"--models: unknown timm model(s) {unknown}")
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+    env = environment()
+    results: list[Result] = []
+    for name in args.models:
+        for mode in args.modes:
+            for res in args.infer_resolutions:
+                r = run_one(bench_infer, name, mode, res, INFER_BATCH.get(res, 8), args.warmup, args.iters)
+                results.append(r)
+                print(f"{name:32s} infer {mode:7s} {res:5d}: "
+                      f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
+            for res in args.train_resolutions:
+                r = run_one(bench_train, name, mode, res, args.train_batch, args.warmup, args.iters)
+                results.append(r)
+                print(f"{name:32s} train {mode:7s} {res:5d}: "
+                      f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
+
+    table = to_markdown(results, env)
+    lines = []
+    for ours, peers in (
+        ("gspn2_tiny", ["swin_tiny_patch4_window7_224", "convnext_tiny", "mambaout_tiny", "deit_small_patch16_224"]),
+        ("gspn2_small", ["swin_small_patch4_window7_224", "convnext_small"]),
+        ("gspn2_base", ["swin_base_patch4_window7_224", "convnext_base"]),
+    ):
+        lines += ratios(results, ours, peers)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "args": vars(args), "results": [asdict(r) for r in results]}, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+    print(table)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
