@@ -105,8 +105,8 @@ class GSPN2Mixer(nn.Module):
         dim: int,
         proxy_dim: int = 2,
         affinity_groups: int = 1,
-        mixer_ratio: float = 1.0,
-        dw_kernel_size: int = 3,
+        mixer_ratio: float = 1.5,
+        dw_kernel_size: int = 7,
         chunk: Optional[int] = None,
     ) -> None:
         super().__init__()
@@ -182,8 +182,8 @@ class GSPN2Block(nn.Module):
         mlp_ratio: float = 4.0,
         proxy_dim: int = 2,
         affinity_groups: int = 1,
-        mixer_ratio: float = 1.0,
-        dw_kernel_size: int = 3,
+        mixer_ratio: float = 1.5,
+        dw_kernel_size: int = 7,
         lpu_kernel_size: int = 3,
         chunk: Optional[int] = None,
         ls_init_value: Optional[float] = None,
@@ -245,8 +245,8 @@ class GSPN2Stage(nn.Module):
         mlp_ratio: float = 4.0,
         proxy_dim: int = 2,
         affinity_groups: int = 1,
-        mixer_ratio: float = 1.0,
-        dw_kernel_size: int = 3,
+        mixer_ratio: float = 1.5,
+        dw_kernel_size: int = 7,
         lpu_kernel_size: int = 3,
         ls_init_value: Optional[float] = None,
     ) -> None:
@@ -313,14 +313,14 @@ class GSPN2(nn.Module):
         in_chans: int = 3,
         num_classes: int = 1000,
         global_pool: str = "avg",
-        depths: Tuple[int, ...] = (2, 2, 7, 2),
-        dims: Tuple[int, ...] = (96, 192, 384, 768),
+        depths: Tuple[int, ...] = (2, 3, 8, 2),
+        dims: Tuple[int, ...] = (80, 160, 320, 640),
         stage_chunks: Tuple[Optional[int], ...] = (None, None, None, None),
         proxy_dim: int = 2,
         affinity_groups: int = 1,
-        mixer_ratio: float = 1.0,
+        mixer_ratio: float = 1.5,
         mlp_ratio: float = 4.0,
-        dw_kernel_size: int = 3,
+        dw_kernel_size: int = 7,
         lpu_kernel_size: int = 3,
         ls_init_value: Optional[float] = None,
         head_hidden_size: Optional[int] = None,
@@ -560,17 +560,17 @@ def gspn2_micro(pretrained: bool = False, **kwargs) -> GSPN2:
 
 @register_model
 def gspn2_tiny(pretrained: bool = False, **kwargs) -> GSPN2:
-    model_args = dict(depths=(2, 2, 7, 2), dims=(96, 192, 384, 768))
+    model_args = dict(depths=(2, 3, 8, 2), dims=(80, 160, 320, 640))
     return _create_gspn2("gspn2_tiny", pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def gspn2_small(pretrained: bool = False, **kwargs) -> GSPN2:
-    model_args = dict(depths=(5, 5, 10, 2), dims=(108, 216, 432, 864))
+    model_args = dict(depths=(2, 3, 21, 2), dims=(88, 176, 352, 704))
     return _create_gspn2("gspn2_small", pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def gspn2_base(pretrained: bool = False, **kwargs) -> GSPN2:
-    model_args = dict(depths=(4, 4, 15, 4), dims=(120, 240, 480, 960))
+    model_args = dict(depths=(5, 5, 12, 5), dims=(112, 224, 448, 896))
     return _create_gspn2("gspn2_base", pretrained=pretrained, **dict(model_args, **kwargs))
