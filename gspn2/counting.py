@@ -19,18 +19,64 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from fvcore.nn import FlopCountAnalysis
-from fvcore.nn.jit_handles import get_shape
+with warnings.catch_warnings():
+    # fvcore.nn scripts its focal loss at import time; torch deprecates jit.script. Not our concern here.
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+    from fvcore.nn import FlopCountAnalysis
+    from fvcore.nn.jit_handles import get_shape
 
-__all__ = ["ModelCount", "count_model", "propagate_mac_handle", "PROPAGATE_MACS_PER_ELEMENT"]
+__all__ = [
+    "GSPN2_COMPONENTS",
+    "MAC_TOLERANCE",
+    "PAPER_COUNTS",
+    "PARAM_TOLERANCE",
+    "PROPAGATE_MACS_PER_ELEMENT",
+    "ModelCount",
+    "PaperCount",
+    "count_model",
+    "propagate_mac_handle",
+]
 
 #: MACs per output element of ``gspn2::propagate`` (per direction; the output holds all four directions).
 PROPAGATE_MACS_PER_ELEMENT = 4
+
+
+class PaperCount(NamedTuple):
+    """Published size of a model at 224x224 with 1000 classes."""
+
+    params: float
+    macs: float
+
+
+#: GSPN-2 paper (arXiv 2512.07884), Table of ImageNet-1k results; MACs as fvcore counts them.
+PAPER_COUNTS: Dict[str, PaperCount] = {
+    "gspn2_tiny": PaperCount(params=24e6, macs=4.2e9),
+    "gspn2_small": PaperCount(params=50e6, macs=9.2e9),
+    "gspn2_base": PaperCount(params=89e6, macs=14.2e9),
+}
+#: Allowed relative deviation from :data:`PAPER_COUNTS` (the sizing contract of the model family).
+PARAM_TOLERANCE = 0.03
+MAC_TOLERANCE = 0.05
+
+#: ``(label, regex)`` rules that split a :class:`gspn2.models.GSPN2` into components; a module whose full
+#: name matches a regex counts for that label (the regexes select disjoint modules).
+GSPN2_COMPONENTS: Tuple[Tuple[str, str], ...] = (
+    ("stem", r"stem"),
+    ("downsampling", r"stages\.\d+\.downsample"),
+    ("local perception units", r"stages\.\d+\.blocks\.\d+\.lpu[12]"),
+    ("block norms", r"stages\.\d+\.blocks\.\d+\.norm[12]"),
+    ("mixers", r"stages\.\d+\.blocks\.\d+\.mixer"),
+    ("MLPs", r"stages\.\d+\.blocks\.\d+\.mlp"),
+    ("layer scale", r"stages\.\d+\.blocks\.\d+\.ls[12]"),
+    ("head", r"head"),
+)
 
 
 def propagate_mac_handle(inputs: List[Any], outputs: List[Any]) -> int:
@@ -52,6 +98,8 @@ class ModelCount:
         batch_size: Batch size that was counted (``macs`` scales with it).
         unsupported_ops: Operator name -> number of calls fvcore could not count.
         by_module: Module name -> MACs (``""`` is the whole model), every module of the model.
+        by_operator: Operator -> MACs, named as fvcore names them, without namespace (``"conv"``,
+            ``"linear"``, ``"layer_norm"``, ``"propagate"`` for ``gspn2::propagate``).
         params_by_module: Module name -> parameters (``""`` is the whole model).
     """
 
@@ -61,7 +109,35 @@ class ModelCount:
     batch_size: int
     unsupported_ops: Dict[str, int] = field(default_factory=dict)
     by_module: Dict[str, int] = field(default_factory=dict)
+    by_operator: Dict[str, int] = field(default_factory=dict)
     params_by_module: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def propagate_macs(self) -> int:
+        """MACs of all ``gspn2::propagate`` calls (fvcore drops the ``gspn2::`` namespace)."""
+        return self.by_operator.get("propagate", 0)
+
+    def grouped(
+        self, rules: Sequence[Tuple[str, str]] = GSPN2_COMPONENTS
+    ) -> List[Tuple[str, int, int]]:
+        """``(label, params, macs)`` per component; modules are matched by full name against each rule's
+        regex. A final ``"other"`` row holds whatever no rule matched, so the rows always sum to the
+        totals (and a rule set that double counts shows up as a negative ``"other"``)."""
+        rows = []
+        for label, pattern in rules:
+            regex = re.compile(pattern)
+            names = [n for n in self.params_by_module if n and regex.fullmatch(n)]
+            rows.append(
+                (
+                    label,
+                    sum(self.params_by_module[n] for n in names),
+                    sum(self.by_module.get(n, 0) for n in names),
+                )
+            )
+        rows.append(
+            ("other", self.params - sum(r[1] for r in rows), self.macs - sum(r[2] for r in rows))
+        )
+        return rows
 
     def table(self, max_depth: int = 2, min_fraction: float = 0.0) -> str:
         """Printable per-module breakdown down to ``max_depth`` name components.
@@ -126,7 +202,9 @@ def count_model(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # Trace-time warnings about Python conditionals (input checks) do not affect the counts.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
             analysis = FlopCountAnalysis(model, (x,))
             analysis.set_op_handle("gspn2::propagate", propagate_mac_handle)
             # Unsupported ops are returned in the result instead of logged once per run.
@@ -136,6 +214,7 @@ def count_model(
             logging.getLogger("fvcore").setLevel(logging.ERROR)
             macs = int(analysis.total())
             by_module = {k: int(v) for k, v in analysis.by_module().items()}
+            by_operator = {k: int(v) for k, v in analysis.by_operator().items()}
             unsupported = {k: int(v) for k, v in analysis.unsupported_ops().items()}
     finally:
         model.train(was_training)
@@ -150,5 +229,6 @@ def count_model(
         batch_size=batch_size,
         unsupported_ops=unsupported,
         by_module=by_module,
+        by_operator=by_operator,
         params_by_module=params_by_module,
     )
