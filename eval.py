@@ -1,0 +1,141 @@
+"""Evaluate a train.py checkpoint -- or any timm model by name -- on the val split of an image folder.
+
+Run from the repository root:
+
+    python eval.py checkpoint=runs/digits/<time>/best.pt              # data and sizes from the checkpoint
+    python eval.py checkpoint=runs/digits/<time>/last.pt ema=true     # the EMA weights
+    python eval.py checkpoint=<path> data.root=/path/to/imagenet img_size=288
+    python eval.py model_name=resnet18 data.root=/path/to/imagenet [pretrained=true]
+
+Prints top-1, top-5, loss, params, MACs and forward throughput (img/s); the last printed line is the path
+of the results JSON (default: next to the checkpoint, eval_<name>[_ema]_<size>.json; runs/eval/ for a
+model by name). Nothing is written unless the evaluation succeeds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import hydra
+import timm
+import torch
+from omegaconf import DictConfig, OmegaConf
+from timm.data import resolve_data_config
+
+import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
+from gspn2.counting import count_model
+from gspn2.train.build import build_model
+from gspn2.train.checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, load_model_state
+from gspn2.train.config import EvalConfig, register_configs, validate
+from gspn2.train.data import DataError, build_dataset, build_eval_loader, build_transform, check_image_folder
+from gspn2.train.distributed import destroy, init_distributed
+from gspn2.train.evaluate import evaluate
+
+register_configs()
+
+
+def _pick(override, default):
+    return default if override is None else override
+
+
+def run_eval(cfg: DictConfig) -> Path:
+    """Evaluate as ``cfg`` (a composed ``configs/eval.yaml``) says; returns the results JSON path."""
+    validate(cfg, EvalConfig)
+    if (cfg.checkpoint is None) == (cfg.model_name is None):
+        raise ValueError("give exactly one of checkpoint=<train.py checkpoint> or model_name=<timm model name>")
+    info = init_distributed(cfg.device)
+    log = print if info.is_main else (lambda *a, **k: None)
+
+    # ------------------------------------------------------------------------- model and its data
+    if cfg.checkpoint is not None:
+        ckpt_path = Path(cfg.checkpoint)
+        ckpt = load_checkpoint(ckpt_path)
+        train_cfg = OmegaConf.create(ckpt["config"])
+        train_cfg.model.pretrained = False  # the checkpoint supplies the weights
+        model = build_model(train_cfg.model, train_cfg.data.num_classes)
+        if cfg.ema and ckpt.get("ema") is None:
+            raise CheckpointError(f"ema=true but checkpoint {str(ckpt_path)!r} holds no EMA weights")
+        load_model_state(model, ckpt["ema"] if cfg.ema else ckpt["model"], ckpt_path,
+                         what="EMA" if cfg.ema else "model")
+        td = train_cfg.data
+        data = SimpleNamespace(
+            root=_pick(cfg.data.root, td.root), val_split=_pick(cfg.data.val_split, td.val_split),
+            img_size=_pick(cfg.img_size, td.img_size), crop_pct=_pick(cfg.data.crop_pct, td.crop_pct),
+            interpolation=_pick(cfg.data.interpolation, td.interpolation),
+            mean=list(_pick(cfg.data.mean, td.mean)), std=list(_pick(cfg.data.std, td.std)),
+            batch_size=_pick(cfg.data.batch_size, td.eval_batch_size),
+            val_subset=_pick(cfg.data.val_subset, td.val_subset),
+        )
+        precision = _pick(cfg.precision, train_cfg.trainer.precision)
+        name = train_cfg.model.name
+        source = f"{ckpt_path} ({'EMA' if cfg.ema else 'model'} weights, epoch {ckpt['epoch']})"
+        out = Path(cfg.out) if cfg.out else ckpt_path.parent / (
+            f"eval_{ckpt_path.stem}{'_ema' if cfg.ema else ''}_{data.img_size}.json")
+        del ckpt
+    else:
+        if cfg.ema:
+            raise ValueError("ema=true needs checkpoint=<path>: a timm model by name has no EMA weights")
+        if cfg.data.root is None:
+            raise DataError("model_name=... needs data.root=<folder with a val/ split of class folders>")
+        extra = {"num_classes": cfg.num_classes} if cfg.num_classes is not None else {}
+        model = timm.create_model(cfg.model_name, pretrained=cfg.pretrained, **extra)
+        pre = resolve_data_config({}, model=model)
+        data = SimpleNamespace(
+            root=cfg.data.root, val_split=_pick(cfg.data.val_split, "val"),
+            img_size=_pick(cfg.img_size, pre["input_size"][-1]), crop_pct=_pick(cfg.data.crop_pct, pre["crop_pct"]),
+            interpolation=_pick(cfg.data.interpolation, pre["interpolation"]),
+            mean=list(_pick(cfg.data.mean, pre["mean"])), std=list(_pick(cfg.data.std, pre["std"])),
+            batch_size=_pick(cfg.data.batch_size, 256), val_subset=cfg.data.val_subset,
+        )
+        precision = _pick(cfg.precision, "fp32")
+        name = cfg.model_name
+        source = f"timm {cfg.model_name} ({'pretrained' if cfg.pretrained else 'random'} weights)"
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path(cfg.out) if cfg.out else Path("runs/eval") / f"{cfg.model_name}_{data.img_size}_{stamp}.json"
+
+    check_image_folder(data.root, [data.val_split])
+    val_set = build_dataset(data.root, data.val_split, build_transform(data, None, is_training=False),
+                            data.val_subset)
+    num_outputs = model.num_classes
+    if len(val_set.classes) > num_outputs:
+        raise DataError(f"{Path(data.root) / data.val_split} has {len(val_set.classes)} classes, "
+                        f"more than the {num_outputs} outputs of {name}")
+    loader = build_eval_loader(val_set, data.batch_size, info.world_size, info.rank, cfg.data.num_workers,
+                               pin_memory=info.device.type == "cuda")
+
+    # ------------------------------------------------------------------------------------ evaluate
+    count = count_model(model, input_size=(3, data.img_size, data.img_size))
+    model.to(info.device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    metrics = evaluate(model, loader, info, precision, cfg.channels_last)
+    results = {
+        "top1": metrics["top1"], "top5": metrics["top5"], "loss": metrics["loss"],
+        "images": metrics["images"], "img_per_s": metrics["img_per_s"],
+        "params": count.params, "macs": count.macs, "model": name, "source": source,
+        "checkpoint": cfg.checkpoint, "ema": cfg.ema, "img_size": data.img_size, "crop_pct": data.crop_pct,
+        "data_root": str(data.root), "val_split": data.val_split, "batch_size": data.batch_size,
+        "precision": precision, "device": str(info.device), "world_size": info.world_size,
+    }
+    log(f"{name}: {source}")
+    log(f"params {count.params / 1e6:.3f} M | MACs {count.macs / 1e9:.4f} G at {data.img_size}x{data.img_size}")
+    log(f"{metrics['images']} images of {Path(data.root) / data.val_split} | top1 {metrics['top1']:.2f} | "
+        f"top5 {metrics['top5']:.2f} | loss {metrics['loss']:.4f} | "
+        f"{metrics['img_per_s']:.1f} img/s (forward, batch {data.batch_size}, {precision}, {info.device.type})")
+    if info.is_main:
+        atomic_write_bytes(out, json.dumps(results, indent=2).encode())
+    destroy(info)
+    log(out)
+    return out
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    run_eval(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Config -> timm objects: the model, optimizer, lr schedule, mixup and training loss.
+
+Thin on purpose: each function is one timm factory call with the config's keys spelled out, shared by
+train.py, eval.py and the config tests (so the tests instantiate exactly what training does).
+"""
+
+from __future__ import annotations
+
+import timm
+import torch
+import torch.nn as nn
+from omegaconf import OmegaConf
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+
+__all__ = ["build_model", "build_optimizer", "build_scheduler", "build_mixup_and_loss"]
+
+
+def build_model(model_cfg, num_classes: int) -> nn.Module:
+    """``timm.create_model(name, num_classes=..., **model.args)``: the architecture lives in the config.
+
+    ``drop_rate``/``drop_path_rate`` left null are not passed (timm drops ``None`` kwargs), so the model's
+    own defaults apply. An argument the model does not know raises in the model's constructor.
+    """
+    args = OmegaConf.to_container(model_cfg.args, resolve=True)
+    return timm.create_model(
+        model_cfg.name,
+        pretrained=model_cfg.pretrained,
+        num_classes=num_classes,
+        drop_rate=model_cfg.drop_rate,
+        drop_path_rate=model_cfg.drop_path_rate,
+        **args,
+    )
+
+
+def build_optimizer(optim_cfg, model: nn.Module, lr_scale: float) -> torch.optim.Optimizer:
+    """timm optimizer at ``lr * lr_scale``; no weight decay on norms, biases, other 1-D params and the
+    names in ``model.no_weight_decay()`` (timm's ``filter_bias_and_bn``)."""
+    args = OmegaConf.to_container(optim_cfg.args, resolve=True)
+    return create_optimizer_v2(
+        model,
+        opt=optim_cfg.name,
+        lr=optim_cfg.lr * lr_scale,
+        weight_decay=optim_cfg.weight_decay,
+        filter_bias_and_bn=True,
+        **args,
+    )
+
+
+def build_scheduler(sched_cfg, optimizer: torch.optim.Optimizer, epochs: int, lr_scale: float,
+                    updates_per_epoch: int):
+    """timm scheduler (per optimizer step unless ``step_on_epochs``); returns ``(scheduler, num_epochs)``
+    with ``num_epochs`` including any cooldown."""
+    return create_scheduler_v2(
+        optimizer,
+        sched=sched_cfg.name,
+        num_epochs=epochs,
+        warmup_epochs=sched_cfg.warmup_epochs,
+        warmup_lr=sched_cfg.warmup_lr * lr_scale,
+        min_lr=sched_cfg.min_lr * lr_scale,
+        cooldown_epochs=sched_cfg.cooldown_epochs,
+        step_on_epochs=sched_cfg.step_on_epochs,
+        updates_per_epoch=updates_per_epoch,
+    )
+
+
+def build_mixup_and_loss(aug_cfg, num_classes: int) -> tuple[Mixup | None, nn.Module]:
+    """timm Mixup/CutMix (None when both are off) and the matching training loss: soft-target CE with
+    mixup (whose targets carry the label smoothing), label-smoothing CE, or plain CE."""
+    mixup_on = aug_cfg.mixup > 0 or aug_cfg.cutmix > 0 or aug_cfg.cutmix_minmax is not None
+    if mixup_on:
+        mixup_fn = Mixup(
+            mixup_alpha=aug_cfg.mixup,
+            cutmix_alpha=aug_cfg.cutmix,
+            cutmix_minmax=list(aug_cfg.cutmix_minmax) if aug_cfg.cutmix_minmax is not None else None,
+            prob=aug_cfg.mixup_prob,
+            switch_prob=aug_cfg.mixup_switch_prob,
+            mode=aug_cfg.mixup_mode,
+            label_smoothing=aug_cfg.smoothing,
+            num_classes=num_classes,
+        )
+        return mixup_fn, SoftTargetCrossEntropy()
+    if aug_cfg.smoothing > 0:
+        return None, LabelSmoothingCrossEntropy(smoothing=aug_cfg.smoothing)
+    return None, nn.CrossEntropyLoss()

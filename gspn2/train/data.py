@@ -1,0 +1,232 @@
+"""Image-folder data: the embedded digits set, transforms, datasets, samplers and loaders.
+
+Training and evaluation read ``<root>/<split>/<class>/<image>`` folders through torchvision's
+``ImageFolder`` and timm's ``create_transform``, for ImageNet and for the embedded digits alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import create_transform
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torchvision.datasets import ImageFolder
+
+__all__ = [
+    "DataError",
+    "write_digits",
+    "check_image_folder",
+    "build_transform",
+    "build_dataset",
+    "ShardedBatchSampler",
+    "build_train_loader",
+    "build_eval_loader",
+    "steps_per_epoch",
+]
+
+DIGITS_SIZE = 32  # the 8x8 digits are upscaled to this size on disk
+DIGITS_VAL_FRACTION = 0.2
+DIGITS_SPLIT_SEED = 0
+_SUBSET_SEED = 0
+
+
+class DataError(RuntimeError):
+    """The data folder is missing or malformed."""
+
+
+def write_digits(root: str | os.PathLike, size: int = DIGITS_SIZE) -> Path:
+    """Write scikit-learn's UCI handwritten digits to ``root`` as a PNG image folder, once.
+
+    1797 8x8 grey images (values 0..16) become ``size x size`` RGB PNGs, white strokes on black, in
+    ``root/train/<digit>/`` and ``root/val/<digit>/`` (a stratified 80/20 split with a fixed seed, so
+    every machine writes the same files). The folder is assembled next to ``root`` and renamed into
+    place, so concurrent writers (DDP ranks, parallel tests) never see a half-written set.
+
+    Returns:
+        ``Path(root)``; an existing ``root`` is left untouched.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    root = Path(root)
+    if root.exists():
+        return root
+    digits = load_digits()
+    images = digits.images  # (1797, 8, 8) float in [0, 16]
+    labels = digits.target
+    idx_train, idx_val = train_test_split(
+        np.arange(len(labels)),
+        test_size=DIGITS_VAL_FRACTION,
+        random_state=DIGITS_SPLIT_SEED,
+        stratify=labels,
+    )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    try:
+        for split, indices in (("train", idx_train), ("val", idx_val)):
+            for i in sorted(indices):
+                folder = tmp / split / str(labels[i])
+                folder.mkdir(parents=True, exist_ok=True)
+                grey = np.clip(images[i] * (255.0 / 16.0), 0, 255).astype(np.uint8)
+                img = Image.fromarray(grey, mode="L").resize((size, size), Image.Resampling.BICUBIC)
+                img.convert("RGB").save(folder / f"{i:04d}.png")
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if not root.is_dir():  # not a lost race against another writer: a real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return root
+
+
+def check_image_folder(root: str | os.PathLike, splits: Sequence[str]) -> None:
+    """Raise :class:`DataError` naming the path unless every ``root/<split>`` has class folders."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"data.root {str(root)!r} does not exist or is not a directory")
+    for split in splits:
+        folder = root / split
+        if not folder.is_dir():
+            raise DataError(
+                f"data.root {str(root)!r} has no {split!r} folder: expected {str(folder)!r} "
+                f"with one subfolder of images per class"
+            )
+        if not any(p.is_dir() for p in folder.iterdir()):
+            raise DataError(f"{str(folder)!r} has no class subfolders")
+
+
+def build_transform(data, aug, is_training: bool, img_size: int | None = None):
+    """The timm transform of the training recipe (``is_training``) or of evaluation.
+
+    ``data`` is a :class:`~gspn2.train.config.DataConfig`-like object (img_size, crop_pct,
+    interpolation, mean, std), ``aug`` an :class:`~gspn2.train.config.AugConfig` (training only).
+    """
+    size = img_size or data.img_size
+    if not is_training:
+        return create_transform(
+            input_size=size,
+            is_training=False,
+            interpolation=data.interpolation,
+            crop_pct=data.crop_pct,
+            mean=tuple(data.mean),
+            std=tuple(data.std),
+        )
+    return create_transform(
+        input_size=size,
+        is_training=True,
+        no_aug=aug.no_aug,
+        scale=tuple(aug.scale),
+        ratio=tuple(aug.ratio),
+        hflip=aug.hflip,
+        vflip=aug.vflip,
+        color_jitter=aug.color_jitter,
+        auto_augment=aug.auto_augment,
+        interpolation=aug.train_interpolation,
+        mean=tuple(data.mean),
+        std=tuple(data.std),
+        re_prob=aug.reprob,
+        re_mode=aug.remode,
+        re_count=aug.recount,
+        crop_pct=data.crop_pct,  # used by no_aug only
+    )
+
+
+def build_dataset(root: str | os.PathLike, split: str, transform, subset: int | None = None) -> Dataset:
+    """``ImageFolder(root/split)``, optionally reduced to a fixed random subset of ``subset`` images."""
+    dataset = ImageFolder(str(Path(root) / split), transform=transform)
+    if subset is not None and subset < len(dataset):
+        g = torch.Generator().manual_seed(_SUBSET_SEED)
+        keep = torch.randperm(len(dataset), generator=g)[:subset].sort().values.tolist()
+        subset_ds = Subset(dataset, keep)
+        subset_ds.classes = dataset.classes  # type: ignore[attr-defined]
+        return subset_ds
+    return dataset
+
+
+class ShardedBatchSampler(Sampler[int]):
+    """Shuffled training order that does not depend on the number of processes.
+
+    Each epoch draws one permutation from ``seed + epoch`` (identical on every rank) and cuts it into
+    global batches of ``world_size * batch_size`` samples; rank ``r`` takes the ``r``-th contiguous
+    slice of each global batch. So ``N`` processes at batch ``b`` see exactly the samples one process
+    sees at batch ``N * b``, step for step -- the property the DDP equivalence test checks. Incomplete
+    global batches at the end of an epoch are dropped.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, world_size: int, rank: int, seed: int,
+                 shuffle: bool = True):
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.num_steps = num_samples // (batch_size * world_size)
+        if self.num_steps == 0:
+            raise DataError(
+                f"{num_samples} training images are fewer than one global batch "
+                f"({world_size} x {batch_size}); lower data.batch_size"
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_steps * self.batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        global_batch = self.batch_size * self.world_size
+        for step in range(self.num_steps):
+            start = step * global_batch + self.rank * self.batch_size
+            yield from order[start:start + self.batch_size].tolist()
+
+
+def build_train_loader(dataset: Dataset, batch_size: int, world_size: int, rank: int, seed: int,
+                       num_workers: int, pin_memory: bool) -> DataLoader:
+    sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        # seeded per epoch by the trainer, so worker augmentation streams survive a resume
+        generator=torch.Generator(),
+    )
+
+
+def build_eval_loader(dataset: Dataset, batch_size: int, world_size: int, rank: int, num_workers: int,
+                      pin_memory: bool) -> DataLoader:
+    """Rank ``r`` evaluates samples ``r, r + N, ...``: no padding, so sums over ranks are exact."""
+    shard = Subset(dataset, list(range(rank, len(dataset), world_size)))
+    return DataLoader(
+        shard,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
+
+
+def steps_per_epoch(loader: DataLoader, accum_steps: int, limit: int | None) -> int:
+    """Optimizer steps per epoch: whole accumulation groups, capped by ``limit``."""
+    steps = len(loader) // accum_steps
+    if steps == 0:
+        raise DataError(f"an epoch has {len(loader)} batches, fewer than trainer.accum_steps={accum_steps}")
+    return steps if limit is None else min(steps, limit)

@@ -1,0 +1,75 @@
+"""The validation loop shared by train.py and eval.py, so both report the same numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from timm.utils import accuracy
+
+from gspn2.train.distributed import DistInfo, all_reduce_sum
+
+__all__ = ["AMP_DTYPES", "autocast", "evaluate"]
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast context for ``precision`` (bf16 | fp16 | fp32); fp32 is a no-op."""
+    if precision not in AMP_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(AMP_DTYPES)}, got {precision!r}")
+    dtype = AMP_DTYPES[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, info: DistInfo, precision: str = "fp32",
+             channels_last: bool = False) -> dict[str, float]:
+    """Top-1, top-5 (percent), mean cross-entropy and forward throughput over this rank's shard,
+    summed over all ranks (each sample is counted exactly once).
+
+    Returns:
+        ``{"top1", "top5", "loss", "images", "forward_s", "img_per_s"}``; ``forward_s`` is the
+        wall time spent in the model's forward on this rank.
+    """
+    model.eval()
+    device = info.device
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, n
+    forward_s = 0.0
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with autocast(device, precision):
+            logits = model(images)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        forward_s += time.perf_counter() - t0
+        logits = logits.float()
+        top1, top5 = accuracy(logits, targets, topk=(1, min(5, logits.shape[1])))
+        n = targets.shape[0]
+        sums += torch.tensor(
+            [F.cross_entropy(logits, targets, reduction="sum").item(), round(top1.item() * n / 100.0),
+             round(top5.item() * n / 100.0), n],
+            dtype=torch.float64, device=device,
+        )
+    all_reduce_sum(sums, info)
+    loss, c1, c5, n = sums.tolist()
+    if n == 0:
+        raise RuntimeError("the validation set is empty")
+    return {
+        "top1": 100.0 * c1 / n,
+        "top5": 100.0 * c5 / n,
+        "loss": loss / n,
+        "images": int(n),
+        "forward_s": forward_s,
+        "img_per_s": n / info.world_size / forward_s if forward_s > 0 else float("nan"),
+    }
