@@ -40,7 +40,6 @@ from timm.layers import (
     LayerScale2d,
     Mlp,
     NormMlpClassifierHead,
-    calculate_drop_path_rates,
     trunc_normal_,
 )
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
@@ -151,8 +150,12 @@ class GSPN2Mixer(nn.Module):
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
         lam = torch.sigmoid(lam).unflatten(1, (NUM_DIRECTIONS, P))  # (B, 4, P, H, W)
         gates = gates.unflatten(1, (NUM_DIRECTIONS, 3, K))  # (B, 4, 3, K, H, W) raw logits
-        # The op needs one dtype for all three inputs; under autocast they may differ.
-        h = gspn_propagate(xp, lam.to(xp.dtype), gates.to(xp.dtype), self.chunk)  # (B, 4, P, H, W)
+        # The op needs one dtype for all three inputs (under autocast they may differ) and scans NCHW
+        # lines; these are the small proxy-sized tensors, so a contiguous copy (channels_last) is cheap.
+        dt = xp.dtype
+        h = gspn_propagate(
+            xp.contiguous(), lam.to(dt).contiguous(), gates.to(dt).contiguous(), self.chunk
+        )  # (B, 4, P, H, W)
         y = (h * u.unflatten(1, (NUM_DIRECTIONS, P))).flatten(1, 2)  # (B, 4P, H, W)
         y = self.proj_up(y) + v * self.skip.view(1, -1, 1, 1).to(v.dtype)
         # The scan sums along whole lines, so its scale grows with the image: normalise before gating.
@@ -359,7 +362,9 @@ class GSPN2(nn.Module):
             LayerNorm2d(dims[0]),
         )
 
-        dp_rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
+        # Stochastic depth grows linearly over all blocks (timm's calculate_drop_path_rates, not in
+        # every timm >= 1.0.15 that we support).
+        dp_rates = [r.tolist() for r in torch.linspace(0, drop_path_rate, sum(depths)).split(list(depths))]
         stages = []
         self.feature_info: List[Dict[str, Union[int, str]]] = []
         prev_chs, stride = dims[0], 4
@@ -432,9 +437,18 @@ class GSPN2(nn.Module):
     def reset_classifier(
         self, num_classes: int, global_pool: Optional[str] = None, reset_other: bool = False
     ) -> None:
-        """Replace the classifier with one of ``num_classes`` outputs (0: identity)."""
+        """Replace the classifier with one of ``num_classes`` outputs (0: identity).
+
+        ``reset_other`` also drops the head's norm and pre-logits layer (used when pruning stages).
+        """
         self.num_classes = num_classes
-        self.head.reset(num_classes, global_pool, reset_other=reset_other, in_features=self.num_features)
+        if reset_other:
+            # Done here rather than through head.reset(reset_other=...), which older timm lacks.
+            self.head.norm = nn.Identity()
+            self.head.pre_logits = nn.Identity()
+            self.head.hidden_size = None
+            self.head.num_features = self.head.in_features = self.num_features
+        self.head.reset(num_classes, global_pool)
         self.head_hidden_size = self.head.num_features
 
     def forward_intermediates(

@@ -97,6 +97,18 @@ def test_forward_intermediates_matches_features():
     assert [t.shape[-2:] for t in inter] == [(12, 10), (6, 5), (3, 2), (1, 1)]
 
 
+def test_prune_intermediate_layers():
+    model = _micro().eval()
+    x = _images(1, 32, 32)
+    with torch.no_grad():
+        full = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+        kept = model.prune_intermediate_layers(indices=[0, 1])
+        pruned = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+        assert kept == [0, 1] and len(model.stages) == 2
+        assert all(torch.equal(a, b) for a, b in zip(full, pruned))
+        assert torch.equal(model(x), pruned[-1])  # no pooling, no norm, no classifier left
+
+
 def test_grad_checkpointing_identical():
     model = _micro().train()  # no drop path / dropout: train mode is deterministic
     x = _images(2, 32, 32)

@@ -1,0 +1,62 @@
+"""GPU checks of the model family: bf16 autocast + channels_last training steps, large and non-square
+inputs, and ``torch.compile(fullgraph=True)`` forward and backward. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import gspn2  # noqa: F401  (registers the gspn2_* models)
+from tests.models._models import BIG_MODELS
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+
+@pytest.mark.parametrize("name", BIG_MODELS)
+def test_bf16_channels_last_train_step(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, drop_path_rate=0.2).cuda().to(memory_format=torch.channels_last).train()
+    x = torch.randn(4, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.shape == (4, 1000) and torch.isfinite(out.float()).all()
+    out.float().logsumexp(dim=1).mean().backward()
+    bad = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("size", [(256, 256), (384, 384), (512, 512), (1024, 1024), (224, 320)])
+def test_tiny_inference_sizes(size):
+    model = timm.create_model("gspn2_tiny").cuda().eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(torch.randn(1, 3, *size, device="cuda"))
+    assert out.shape == (1, 1000) and torch.isfinite(out.float()).all()
+
+
+@pytest.fixture
+def no_tf32():
+    """Full fp32 convs and matmuls, so compiled and eager agree to fp32 rounding."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compile_fullgraph_forward_backward(channels_last, no_tf32):
+    torch.manual_seed(0)
+    model = timm.create_model("gspn2_micro", num_classes=10).cuda()
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    ref = model(x)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-4, f"compiled vs eager: max error {err:.2e} of the largest logit"
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
