@@ -132,7 +132,7 @@ def run_eval(cfg: DictConfig) -> Path:
     return out
 
 
-@hydra.main(version_base=None, config_path="configs", config_name="eval")
+@hydra.main(version_base=None, config_path="configs/eval", config_name="eval")
 def main(cfg: DictConfig) -> None:
     run_eval(cfg)
 

@@ -54,11 +54,11 @@ from gspn2.train.checkpoint import (
 )
 from gspn2.train.config import TrainConfig, register_configs, validate
 from gspn2.train.data import (
-    DataError,
     build_dataset,
     build_eval_loader,
     build_train_loader,
     build_transform,
+    check_classes,
     check_image_folder,
     steps_per_epoch,
     write_digits,
@@ -68,6 +68,7 @@ from gspn2.train.distributed import (
     all_reduce_sum,
     barrier,
     broadcast_object,
+    configure_torch,
     destroy,
     init_distributed,
 )
@@ -100,9 +101,7 @@ def train(cfg: DictConfig) -> Path:
     info = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend)
     device, master = info.device, info.is_main
     log = print if master else (lambda *a, **k: None)
-    torch.set_float32_matmul_precision("high" if cfg.trainer.tf32 else "highest")
-    torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
-    torch.backends.cudnn.benchmark = device.type == "cuda"
+    configure_torch(device, tf32=cfg.trainer.tf32, cpu_threads=cfg.trainer.cpu_threads)
     precision = cfg.trainer.precision
     accum = cfg.trainer.accum_steps
 
@@ -125,11 +124,7 @@ def train(cfg: DictConfig) -> Path:
                               cfg.data.train_subset)
     val_set = build_dataset(root, cfg.data.val_split, build_transform(cfg.data, cfg.aug, is_training=False),
                             cfg.data.val_subset)
-    if train_set.classes != val_set.classes:
-        raise DataError(f"{root / cfg.data.train_split} and {root / cfg.data.val_split} have different classes")
-    if len(train_set.classes) != cfg.data.num_classes:
-        raise DataError(f"{root / cfg.data.train_split} has {len(train_set.classes)} classes but "
-                        f"data.num_classes={cfg.data.num_classes}")
+    check_classes(train_set, val_set, cfg.data.num_classes)
     train_loader = build_train_loader(train_set, cfg.data.batch_size, info.world_size, info.rank, cfg.seed,
                                       cfg.data.num_workers, cfg.data.pin_memory)
     val_loader = build_eval_loader(val_set, cfg.data.eval_batch_size, info.world_size, info.rank,
@@ -195,7 +190,8 @@ def train(cfg: DictConfig) -> Path:
     if cfg.trainer.compile:
         train_model = torch.compile(train_model)
     if info.enabled:
-        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
+        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None,
+                                              gradient_as_bucket_view=True)
 
     # ------------------------------------------------------------------------------ logging, run dir
     config_dict = OmegaConf.to_container(cfg, resolve=True)

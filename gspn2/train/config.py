@@ -112,6 +112,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model
     grad_checkpointing: bool = False  # model.set_grad_checkpointing(True)
     tf32: bool = True
+    cpu_threads: Optional[int] = None  # torch intra-op threads on CPU runs (null: torch's default)
     dist_backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
     log_interval: int = 50  # optimizer steps between W&B train logs
     limit_train_steps: Optional[int] = None  # cap optimizer steps per epoch (smoke tests)

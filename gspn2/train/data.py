@@ -22,6 +22,7 @@ from torchvision.datasets import ImageFolder
 __all__ = [
     "DataError",
     "write_digits",
+    "check_classes",
     "check_image_folder",
     "build_transform",
     "build_dataset",
@@ -150,6 +151,24 @@ def build_dataset(root: str | os.PathLike, split: str, transform, subset: int | 
         subset_ds.classes = dataset.classes  # type: ignore[attr-defined]
         return subset_ds
     return dataset
+
+
+def check_classes(train_set: Dataset, val_set: Dataset, num_classes: int) -> None:
+    """The two splits must have the same class folders (ImageFolder numbers them in sorted order), and as
+    many as the classifier has outputs."""
+    train_root, val_root = _folder_of(train_set), _folder_of(val_set)
+    if train_set.classes != val_set.classes:
+        only_train = sorted(set(train_set.classes) - set(val_set.classes))[:5]
+        only_val = sorted(set(val_set.classes) - set(train_set.classes))[:5]
+        raise DataError(f"{train_root!r} and {val_root!r} have different class folders "
+                        f"(only in train: {only_train}, only in val: {only_val})")
+    if len(train_set.classes) != num_classes:
+        raise DataError(f"{train_root!r} has {len(train_set.classes)} class folders but "
+                        f"data.num_classes={num_classes}")
+
+
+def _folder_of(dataset: Dataset) -> str:
+    return (dataset.dataset if isinstance(dataset, Subset) else dataset).root
 
 
 class ShardedBatchSampler(Sampler[int]):

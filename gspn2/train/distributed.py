@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "broadcast_object", "all_gather_object", "all_reduce_sum",
-           "barrier", "destroy"]
+__all__ = ["DistInfo", "init_distributed", "configure_torch", "broadcast_object", "all_gather_object",
+           "all_reduce_sum", "barrier", "destroy"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,15 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+
+
+def configure_torch(device: torch.device, tf32: bool, cpu_threads: int | None) -> None:
+    """Per-process torch settings: TF32 matmuls/convolutions, cuDNN autotuning, CPU thread count."""
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = device.type == "cuda"
+    if device.type == "cpu" and cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
 
 
 def broadcast_object(obj: Any, info: DistInfo, src: int = 0) -> Any:

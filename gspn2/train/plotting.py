@@ -19,6 +19,7 @@ def plot_curves(history: list[dict[str, float]], path: str | os.PathLike) -> Non
 
     epochs = [h["epoch"] for h in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.9, wspace=0.2)
     ax = axes[0]
     ax.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     ax.plot(epochs, [h["val_loss"] for h in history], marker="o", label="val")
@@ -36,7 +37,6 @@ def plot_curves(history: list[dict[str, float]], path: str | os.PathLike) -> Non
     for ax in axes:
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)

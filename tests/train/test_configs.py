@@ -1,0 +1,143 @@
+"""Every config composes against the schema and instantiates what train.py builds from it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import timm
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+from PIL import Image
+
+import gspn2  # noqa: F401  (registers the gspn2_* models)
+from gspn2.train.build import build_mixup_and_loss, build_model, build_optimizer, build_scheduler
+from gspn2.train.config import EvalConfig, TrainConfig, validate
+from gspn2.train.data import build_transform
+from tests.train._helpers import CONFIGS, compose_cfg
+
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+GROUPS = ["model", "data", "aug", "optim", "sched", "ema", "trainer", "logger"]
+GROUP_OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml"))]
+
+
+def _build_all(cfg, updates_per_epoch: int = 10):
+    """Instantiate model (on the meta device: no memory, no init cost), optimizer, schedule, mixup/loss
+    and both transforms, exactly as train.py does."""
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.data.num_classes)
+    optimizer = build_optimizer(cfg.optim, model, lr_scale=2.0)
+    scheduler, num_epochs = build_scheduler(cfg.sched, optimizer, cfg.trainer.epochs, 2.0, updates_per_epoch)
+    mixup, loss_fn = build_mixup_and_loss(cfg.aug, cfg.data.num_classes)
+    image = Image.new("RGB", (cfg.data.img_size + 13, cfg.data.img_size + 5), (120, 30, 200))
+    for is_training in (True, False):
+        x = build_transform(cfg.data, cfg.aug, is_training=is_training)(image)
+        assert x.shape == (3, cfg.data.img_size, cfg.data.img_size)
+    return model, optimizer, scheduler, num_epochs, mixup, loss_fn
+
+
+def test_expected_experiments_exist():
+    assert {"digits", "in1k_gspn2_tiny", "in1k_gspn2_small", "in1k_gspn2_base"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_composes_and_instantiates(experiment):
+    cfg = compose_cfg([f"experiment={experiment}", "data.root=/nonexistent/imagenet"])
+    validate(cfg, TrainConfig)
+    assert cfg.name == experiment
+    model, optimizer, scheduler, num_epochs, mixup, loss_fn = _build_all(cfg)
+    assert type(model).__name__ == "GSPN2"
+    assert num_epochs == cfg.trainer.epochs + cfg.sched.cooldown_epochs
+    # lr scaled by the global batch; no weight decay on 1-D params (norms, biases, skips)
+    for group in optimizer.param_groups:
+        assert group["initial_lr"] == pytest.approx(cfg.optim.lr * 2.0, rel=1e-9)
+        if cfg.sched.warmup_epochs > 0:  # the schedule starts at the (scaled) warm-up lr
+            assert group["lr"] == pytest.approx(cfg.sched.warmup_lr * 2.0, rel=1e-9)
+    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed, "some parameters must be decayed"
+    for name, p in model.named_parameters():
+        if p.ndim <= 1 or name in model.no_weight_decay():
+            assert id(p) not in decayed, name
+
+
+@pytest.mark.parametrize("size,lr,drop_path", [("tiny", 5e-4, 0.2), ("small", 3e-4, 0.4), ("base", 5e-4, 0.5)])
+def test_imagenet_recipe(size, lr, drop_path):
+    """SPEC section 3, as the configs spell it."""
+    cfg = compose_cfg([f"experiment=in1k_gspn2_{size}", "data.root=/x"])
+    assert cfg.model.name == f"gspn2_{size}" and cfg.model.drop_path_rate == drop_path
+    assert (cfg.trainer.epochs, cfg.sched.warmup_epochs, cfg.sched.name, cfg.sched.step_on_epochs) == (
+        300, 20, "cosine", False)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_base_size, cfg.optim.weight_decay) == ("adamw", lr, 512, 0.05)
+    assert list(cfg.optim.args.betas) == [0.9, 0.999] and cfg.optim.clip_grad == 5.0
+    assert (cfg.sched.min_lr, cfg.sched.warmup_lr) == (5e-6, 5e-7)
+    assert (cfg.data.img_size, cfg.data.crop_pct, cfg.data.interpolation) == (224, 0.875, "bicubic")
+    aug = cfg.aug
+    assert (aug.color_jitter, aug.auto_augment, aug.reprob, aug.hflip) == (0.4, "rand-m9-mstd0.5-inc1", 0.25, 0.5)
+    assert (aug.mixup, aug.cutmix, aug.mixup_switch_prob, aug.smoothing) == (0.8, 1.0, 0.5, 0.1)
+    assert (cfg.ema.enabled, cfg.ema.decay, cfg.ema.mesa_weight) == (True, 0.9999, 0.0)
+    assert cfg.trainer.precision == "bf16"
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_group_option_composes(group, option):
+    overrides = [f"{group}={option}", "data.root=/nonexistent"]
+    if (group, option) == ("model", "timm"):
+        overrides.append("model.name=resnet10t")
+    cfg = compose_cfg(overrides)
+    validate(cfg, TrainConfig)
+    _build_all(cfg)
+
+
+@pytest.mark.parametrize("variant", ["gspn2_micro", "gspn2_tiny", "gspn2_small", "gspn2_base"])
+def test_model_config_spells_out_the_registered_variant(variant):
+    """configs/model/<variant>.yaml must build the architecture timm registers under that name."""
+    cfg = compose_cfg([f"model={variant}"])
+    assert {"depths", "dims", "stage_chunks", "proxy_dim", "affinity_groups", "mixer_ratio",
+            "mlp_ratio"} <= set(cfg.model.args)
+    with torch.device("meta"):
+        from_config = build_model(cfg.model, num_classes=1000)
+        registered = timm.create_model(variant, num_classes=1000)
+    shapes = {k: tuple(v.shape) for k, v in from_config.state_dict().items()}
+    assert shapes == {k: tuple(v.shape) for k, v in registered.state_dict().items()}
+
+
+def test_eval_config_composes():
+    cfg = compose_cfg(["checkpoint=/x.pt", "ema=true", "img_size=48", "data.root=/d"], config_name="eval",
+                      config_dir=CONFIGS / "eval")
+    validate(cfg, EvalConfig)
+    assert (cfg.checkpoint, cfg.ema, cfg.img_size, cfg.data.root) == ("/x.pt", True, 48, "/d")
+
+
+def test_slurm_launcher_config():
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.tasks_per_node == launcher.gpus_per_node  # one task (rank) per GPU
+    assert cfg.hydra.job.chdir is False
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.epochz=3", "epochz"),        # misspelt key
+    ("+trainer.epochz=3", "epochz"),       # forced in with +, caught by the schema check
+    ("++model.namee=resnet18", "namee"),
+    ("optimm.lr=1", "optimm"),
+])
+def test_unknown_key_is_an_error(override, key):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError), match=key):
+        validate(compose_cfg([override]), TrainConfig)
+
+
+def test_wrong_type_is_an_error():
+    with pytest.raises(ConfigCompositionException, match="trainer.epochs"):
+        compose_cfg(["trainer.epochs=many"])
+
+
+def test_misspelt_key_in_a_yaml_file_is_an_error(tmp_path):
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIGS, configs)
+    (configs / "trainer" / "typo.yaml").write_text("epochs: 3\nprecison: fp32\n")
+    with pytest.raises(ConfigCompositionException, match="precison"):
+        compose_cfg(["trainer=typo"], config_dir=configs)
