@@ -23,6 +23,17 @@ import gspn2  # noqa: F401  (registers the gspn2_* models)
 from gspn2.counting import MAC_TOLERANCE, PAPER_COUNTS, PARAM_TOLERANCE, ModelCount, count_model
 
 PAPER_SIZE = (224, 224)
+# Small to large in the summary table; other registered gspn2_* names follow alphabetically.
+MODEL_ORDER = ("gspn2_micro", "gspn2_tiny", "gspn2_small", "gspn2_base")
+_BLOCK = r"stages\.\d+\.blocks\.\d+\.mixer\."
+# Parts of the mixers, shown as "of which" rows under "mixers".
+MIXER_PARTS = (
+    ("  of which in/out 1x1 projections", _BLOCK + r"(in_proj|out_proj)"),
+    ("  of which depthwise conv", _BLOCK + r"conv_dw"),
+    ("  of which proxy/gate generator", _BLOCK + r"generate"),
+    ("  of which projection back (4P -> E)", _BLOCK + r"proj_up"),
+    ("  of which mixer norm", _BLOCK + r"norm"),
+)
 
 
 def parse_img_size(text: str) -> Tuple[int, int]:
@@ -74,6 +85,7 @@ def breakdown_tables(count: ModelCount, markdown: bool) -> str:
             continue  # e.g. layer scale when disabled, "other" when the rules cover everything
         rows.append(fmt(label, params, macs))
         if label == "mixers":
+            rows += [fmt(*part) for part in count.grouped(MIXER_PARTS)[:-1]]
             rows.append(fmt("  of which gspn2::propagate", 0, count.propagate_macs))
     rows.append(["total", f"{count.params:,}", "100.0", f"{count.macs / 1e6:,.1f}", "100.0"])
     header = ["component", "params", "params %", "MACs (M)", "MACs %"]
@@ -102,7 +114,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="exit 1 if a model with a paper figure is outside the tolerance")
     args = parser.parse_args(argv)
 
-    names = args.model or sorted(timm.list_models("gspn2_*"))
+    names = args.model or sorted(
+        timm.list_models("gspn2_*"),
+        key=lambda n: (MODEL_ORDER.index(n) if n in MODEL_ORDER else len(MODEL_ORDER), n),
+    )
     unknown = [n for n in names if n not in timm.list_models()]
     if unknown:
         parser.error(f"--model: unknown model(s) {unknown}; registered: {timm.list_models('gspn2_*')}")
@@ -124,8 +139,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     header = ["model", "params (M)", "MACs (G)", "paper params (M)", "paper MACs (G)",
               "params dev %", "MACs dev %", "within tol"]
-    print(f"# fvcore counts at {H}x{W}, batch 1, {args.num_classes} classes; tolerance params "
-          f"+-{100 * PARAM_TOLERANCE:.0f}%, MACs +-{100 * MAC_TOLERANCE:.0f}%")
+    print(f"{'' if args.markdown else '# '}fvcore counts at {H}x{W}, batch 1, {args.num_classes} classes; tolerance params "
+          f"+-{100 * PARAM_TOLERANCE:.0f}%, MACs +-{100 * MAC_TOLERANCE:.0f}%\n")
     print(_table(header, rows, args.markdown))
     for name, count in details:
         print(f"\n{'### ' if args.markdown else '== '}{name} at {H}x{W}\n")
