@@ -1,0 +1,245 @@
+// Host side of the CUDA propagation op: input checks, the launch plan, allocation, and the Python
+// bindings that gspn2/ops/_cuda.py registers as the CUDA kernels of gspn2::propagate and
+// gspn2::propagate_backward.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "propagate.h"
+
+#define CHECK_CUDA(t) TORCH_CHECK((t).is_cuda(), "gspn2: `" #t "` must be a CUDA tensor, got ", (t).device())
+#define CHECK_SAME_DEVICE(t, ref)                                                                      \
+  TORCH_CHECK((t).device() == (ref).device(), "gspn2: `" #t "` must be on ", (ref).device(), " like `" \
+              #ref "`, got ", (t).device())
+#define CHECK_DTYPE(t, dt) \
+  TORCH_CHECK((t).scalar_type() == (dt), "gspn2: `" #t "` must have dtype ", (dt), ", got ", (t).scalar_type())
+#define CHECK_SHAPE(t, ...)                                                                       \
+  TORCH_CHECK((t).sizes() == at::IntArrayRef({__VA_ARGS__}), "gspn2: `" #t "` must have shape (" \
+              #__VA_ARGS__ ") = ", at::IntArrayRef({__VA_ARGS__}), ", got ", (t).sizes())
+
+namespace gspn2 {
+namespace {
+
+ScalarType to_scalar_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ScalarType::Float;
+    case at::kHalf: return ScalarType::Half;
+    case at::kBFloat16: return ScalarType::BFloat16;
+    default: TORCH_CHECK(false, "gspn2: the CUDA kernel supports float32, float16 and bfloat16, got ", t);
+  }
+  return ScalarType::Float;
+}
+
+// Contiguous, and 16-byte aligned so that the kernel's wide accesses are legal.
+at::Tensor prepare(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+void fill_copy_sets(PropagateParams& p, bool backward) {
+  for (int o = 0; o < 2; ++o) {
+    const bool horiz = o == 0;
+    const int L = horiz ? p.H : p.W;
+    // Loads: horizontal scans copy 4 bytes (1 or 2 elements) per line position and step pair,
+    // vertical ones p.E elements along the line. Stores: p.E elements along W, at most a tile.
+    const int le = horiz ? horiz_load_elems(p) : p.E;
+    const int se = horiz ? std::min(p.E, p.T) : p.E;
+    const int gg_esize = smem_layout(p, horiz, true).gg_esize;
+    CopySet* c = p.copy[o];
+    c[kLoadMain] = make_copy_set(backward ? 3 + 4 * p.cs : 3 + 2 * p.cs, p.T, le, L, horiz);
+    c[kLoadBoundary] = make_copy_set(backward ? p.cs : 0, boundary_rows(p, horiz), le, L, horiz);
+    c[kStoreMain] = make_copy_set(p.cs, p.T, se, L, horiz);
+    c[kStoreGradX] = make_copy_set(p.cs, p.T, std::min(se, 4), L, horiz);
+    c[kStoreGradGates] = make_copy_set(3, p.T, std::min(se, 16 / gg_esize), L, horiz);
+  }
+}
+
+int smem_bytes(const PropagateParams& p, bool backward) {
+  return std::max(smem_layout(p, true, backward).total, smem_layout(p, false, backward).total);
+}
+
+// Choose the channel slice, the tile length and the block shape. Preference: tiles of at least 8
+// bytes per line position (so horizontal outputs go out in 8- or 16-byte pieces), then the widest
+// channel slice (the gates of a group are read by fewer blocks), then the longest tile.
+void make_plan(PropagateParams& p, bool backward) {
+  const int esize = element_size(p.dtype);
+  const int tpref = 16 / esize;         // 16 bytes of each line position per plane and tile
+  const int tmin = esize == 2 ? 2 : 1;  // one 4-byte copy
+  p.E = tpref;
+  while (p.W % p.E != 0) p.E /= 2;
+  const int max_threads = backward ? kMaxThreadsBackward : kMaxThreadsForward;
+  p.nx = std::min(round_up(std::max(p.H, p.W), 32), max_threads);
+
+  bool found = false;
+  PropagateParams best = p;
+  auto score = [&](const PropagateParams& q) { return std::make_tuple(std::min(q.T, tpref / 2), q.cs, q.T); };
+  for (int nbuf = 2; nbuf >= 1 && !found; --nbuf) {  // one buffer only when two do not fit
+  for (int cs = std::min(p.G, kMaxSlice); cs >= 1; --cs) {
+    if (p.G % cs != 0) continue;
+    for (int T = tpref; T >= tmin; T /= 2) {
+      PropagateParams q = p;
+      q.nbuf = nbuf;
+      q.cs = cs;
+      q.nsl = p.G / cs;
+      q.T = T;
+      q.ny = 1;  // extra staging threads for short lines with many planes
+      while (q.ny * 2 <= std::min(cs, 4) && q.nx * q.ny * 2 <= max_threads) q.ny *= 2;
+      q.smem_bytes = smem_bytes(q, backward);
+      if (q.smem_bytes > kSmemLimit) continue;
+      if (!found || score(q) > score(best)) best = q;
+      found = true;
+      break;  // the longest tile that fits for this slice width
+    }
+  }
+  }
+  TORCH_CHECK(found, "gspn2: a line of ", std::max(p.H, p.W),
+              " pixels does not fit in one block's shared memory; the CUDA kernel supports lines of up to "
+              "a few thousand pixels (GSPN2_BACKEND=reference runs any size)");
+  p = best;
+  fill_copy_sets(p, backward);
+}
+
+PropagateParams make_params(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
+                            std::optional<int64_t> chunk) {
+  PropagateParams p{};
+  p.dtype = to_scalar_type(x.scalar_type());
+  p.B = int(x.size(0));
+  p.C = int(x.size(1));
+  p.H = int(x.size(2));
+  p.W = int(x.size(3));
+  p.K = int(gates.size(3));
+  p.G = p.C / p.K;
+  p.chunk = chunk.has_value() ? int(std::min<int64_t>(*chunk, INT32_MAX)) : 0;
+  const int64_t HW = int64_t(p.H) * p.W;
+  p.x_sb = int64_t(p.C) * HW;
+  p.x_sc = HW;
+  p.lam_sb = 4 * int64_t(p.C) * HW;
+  p.lam_sd = int64_t(p.C) * HW;
+  p.lam_sc = HW;
+  p.g_sb = 4 * 3 * int64_t(p.K) * HW;
+  p.g_sd = 3 * int64_t(p.K) * HW;
+  p.g_so = int64_t(p.K) * HW;
+  p.g_sk = HW;
+  p.h_sb = p.lam_sb;
+  p.h_sd = p.lam_sd;
+  p.h_sc = p.lam_sc;
+  p.gxp_sd = int64_t(p.B) * p.C * HW;
+  p.ggp_ssl = int64_t(p.B) * 4 * 3 * p.K * HW;
+  p.x = x.data_ptr();
+  p.lam = lam.data_ptr();
+  p.gates = gates.data_ptr();
+  return p;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
+                  std::optional<int64_t> chunk) {
+  CHECK_CUDA(x);
+  CHECK_SAME_DEVICE(lam, x);
+  CHECK_SAME_DEVICE(gates, x);
+  to_scalar_type(x.scalar_type());
+  CHECK_DTYPE(lam, x.scalar_type());
+  CHECK_DTYPE(gates, x.scalar_type());
+  TORCH_CHECK(x.dim() == 4, "gspn2: `x` must have shape (B, C, H, W), got ", x.sizes());
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  TORCH_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1, "gspn2: `x` must have no empty dimension, got ", x.sizes());
+  CHECK_SHAPE(lam, B, 4, C, H, W);
+  TORCH_CHECK(gates.dim() == 6, "gspn2: `gates` must have shape (B, 4, 3, K, H, W), got ", gates.sizes());
+  const int64_t K = gates.size(3);
+  TORCH_CHECK(K >= 1 && C % K == 0, "gspn2: `gates` has K = ", K, " affinity groups, which must divide C = ", C);
+  CHECK_SHAPE(gates, B, 4, 3, K, H, W);
+  TORCH_CHECK(H * W < (int64_t(1) << 31), "gspn2: H * W must be below 2^31, got ", H, " x ", W);
+  TORCH_CHECK(4 * B * K * C < (int64_t(1) << 31), "gspn2: too many blocks for one launch");
+  TORCH_CHECK(!chunk.has_value() || *chunk >= 1, "gspn2: `chunk` must be None or >= 1, got ", *chunk);
+}
+
+at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const at::Tensor& gates_,
+                             std::optional<int64_t> chunk) {
+  check_inputs(x_, lam_, gates_, chunk);
+  const c10::cuda::CUDAGuard guard(x_.device());
+  const at::Tensor x = prepare(x_), lam = prepare(lam_), gates = prepare(gates_);
+  PropagateParams p = make_params(x, lam, gates, chunk);
+  make_plan(p, /*backward=*/false);
+  at::Tensor h = at::empty({p.B, 4, p.C, p.H, p.W}, x.options());
+  p.h = h.data_ptr();
+  launch_forward(p, c10::cuda::getCurrentCUDAStream());
+  return h;
+}
+
+std::vector<at::Tensor> propagate_backward(const at::Tensor& grad_h_, const at::Tensor& x_, const at::Tensor& lam_,
+                                           const at::Tensor& gates_, const at::Tensor& h_,
+                                           std::optional<int64_t> chunk) {
+  check_inputs(x_, lam_, gates_, chunk);
+  const int64_t B = x_.size(0), C = x_.size(1), H = x_.size(2), W = x_.size(3);
+  const at::Tensor& grad_h = grad_h_;
+  const at::Tensor& h = h_;
+  CHECK_SAME_DEVICE(grad_h, x_);
+  CHECK_SAME_DEVICE(h, x_);
+  CHECK_DTYPE(grad_h, x_.scalar_type());
+  CHECK_DTYPE(h, x_.scalar_type());
+  CHECK_SHAPE(grad_h, B, 4, C, H, W);
+  CHECK_SHAPE(h, B, 4, C, H, W);
+  const c10::cuda::CUDAGuard guard(x_.device());
+  const at::Tensor x = prepare(x_), lam = prepare(lam_), gates = prepare(gates_);
+  const at::Tensor gh = prepare(grad_h_), hs = prepare(h_);
+  PropagateParams p = make_params(x, lam, gates, chunk);
+  make_plan(p, /*backward=*/true);
+  at::Tensor grad_x = at::empty_like(x);
+  at::Tensor grad_lam = at::empty_like(lam);
+  at::Tensor grad_gates = at::empty_like(gates);
+  at::Tensor grad_x_part = at::empty({4, B, C, H, W}, x.options().dtype(at::kFloat));
+  at::Tensor grad_gates_part;
+  if (p.nsl > 1) grad_gates_part = at::empty({p.nsl, B, 4, 3, p.K, H, W}, x.options().dtype(at::kFloat));
+  p.grad_h = gh.data_ptr();
+  p.h_saved = hs.data_ptr();
+  p.grad_x = grad_x.data_ptr();
+  p.grad_lam = grad_lam.data_ptr();
+  p.grad_gates = grad_gates.data_ptr();
+  p.grad_x_part = grad_x_part.data_ptr<float>();
+  p.grad_gates_part = p.nsl > 1 ? grad_gates_part.data_ptr<float>() : nullptr;
+  launch_backward(p, c10::cuda::getCurrentCUDAStream());
+  return {grad_x, grad_lam, grad_gates};
+}
+
+// The decomposition the kernels would use (for benchmarks and debugging).
+py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::string& dtype, bool backward) {
+  PropagateParams p{};
+  p.dtype = dtype == "float32" ? ScalarType::Float : dtype == "float16" ? ScalarType::Half : ScalarType::BFloat16;
+  p.B = int(B);
+  p.C = int(C);
+  p.H = int(H);
+  p.W = int(W);
+  p.K = int(K);
+  p.G = int(C / K);
+  make_plan(p, backward);
+  py::dict d;
+  d["cs"] = p.cs;
+  d["nsl"] = p.nsl;
+  d["nx"] = p.nx;
+  d["ny"] = p.ny;
+  d["T"] = p.T;
+  d["nbuf"] = p.nbuf;
+  d["E"] = p.E;
+  d["smem_bytes"] = p.smem_bytes;
+  d["blocks"] = 4 * p.B * p.K * p.nsl;
+  return d;
+}
+
+}  // namespace
+}  // namespace gspn2
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gspn2 CUDA kernels (use gspn2.ops.gspn_propagate; this module is imported by gspn2.ops._cuda only)";
+  m.def("forward", &gspn2::propagate_forward, "h = propagate(x, lam, gates, chunk)", py::arg("x"), py::arg("lam"),
+        py::arg("gates"), py::arg("chunk"));
+  m.def("backward", &gspn2::propagate_backward, "(grad_x, grad_lam, grad_gates) = propagate_backward(...)",
+        py::arg("grad_h"), py::arg("x"), py::arg("lam"), py::arg("gates"), py::arg("h"), py::arg("chunk"));
+  m.def("plan", &gspn2::plan, "launch plan of the kernels", py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"),
+        py::arg("K"), py::arg("dtype"), py::arg("backward"));
+}

@@ -1,0 +1,109 @@
+"""CUDA backend of the ``gspn2::propagate`` ops: the only module that imports the compiled extension.
+
+The fused kernels (``gspn2/csrc``) are registered as the CUDA implementation of the same
+``torch.library`` ops that :mod:`gspn2.ops.propagate` defines, so the fake (meta) implementation and the
+autograd formula stay one op for every device. On CPU the pure-PyTorch reference runs.
+
+Backend choice on CUDA tensors, made explicit and logged once at first use:
+
+* ``GSPN2_BACKEND=auto`` (default) or ``cuda``: the fused CUDA kernel for float32, float16 and bfloat16.
+  If the extension was not built this raises, saying how to build it; there is no silent fallback.
+  float64 (gradcheck) runs the reference, which the kernel does not implement.
+* ``GSPN2_BACKEND=reference``: the pure-PyTorch reference on CUDA tensors too (slow: one Python step
+  per scan step), e.g. to debug or to run where the extension cannot be built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
+
+__all__ = ["BACKEND_ENV", "backend", "extension_available", "extension_error", "BUILD_HINT"]
+
+log = logging.getLogger("gspn2.ops")
+
+#: Environment variable that selects the backend for CUDA tensors.
+BACKEND_ENV = "GSPN2_BACKEND"
+_BACKENDS = ("auto", "cuda", "reference")
+
+BUILD_HINT = (
+    "gspn2's CUDA extension (gspn2._C) is not built, so gspn_propagate cannot run its kernel on a CUDA "
+    "tensor. Build it from the repository root with nvcc available (CUDA_HOME or /usr/local/cuda): "
+    "`pip install --no-build-isolation -e .` (TORCH_CUDA_ARCH_LIST selects the GPUs, default \"8.0;9.0\"). "
+    f"Or set {BACKEND_ENV}=reference to run the slow pure-PyTorch reference on the GPU."
+)
+
+try:
+    from gspn2 import _C  # the compiled extension (setup.py)
+except ImportError as exc:  # not built: CPU-only install, or no nvcc at build time
+    _C = None
+    _IMPORT_ERROR: Optional[ImportError] = exc
+else:
+    _IMPORT_ERROR = None
+
+_announced: set[str] = set()
+
+
+def extension_available() -> bool:
+    """Whether ``gspn2._C`` was built and imports."""
+    return _C is not None
+
+
+def extension_error() -> Optional[ImportError]:
+    """The error raised when importing ``gspn2._C``, if it failed."""
+    return _IMPORT_ERROR
+
+
+def backend() -> str:
+    """The backend requested for CUDA tensors by ``GSPN2_BACKEND`` (``auto``, ``cuda`` or ``reference``)."""
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(_BACKENDS)}; got {value!r}")
+    return value
+
+
+def _announce(key: str, message: str, warn: bool = False) -> None:
+    if key in _announced:
+        return
+    _announced.add(key)
+    if warn:
+        warnings.warn(message, stacklevel=3)
+    log.info(message)
+
+
+def _use_reference(x: torch.Tensor) -> bool:
+    if backend() == "reference":
+        _announce(
+            "reference",
+            f"gspn2: {BACKEND_ENV}=reference: gspn_propagate runs the pure-PyTorch reference on CUDA tensors (slow)",
+            warn=True,
+        )
+        return True
+    if x.dtype == torch.float64:
+        _announce("float64", "gspn2: float64 inputs run the pure-PyTorch reference (the CUDA kernel is fp32/fp16/bf16)")
+        return True
+    if _C is None:
+        raise RuntimeError(BUILD_HINT) from _IMPORT_ERROR
+    _announce("cuda", "gspn2: gspn_propagate backend on CUDA tensors: fused CUDA kernel (gspn2._C)")
+    return False
+
+
+@torch.library.register_kernel("gspn2::propagate", "cuda")
+def _propagate_cuda(x, lam, gates, chunk):
+    if _use_reference(x):
+        return gspn_propagate_ref(x, lam, gates, chunk)
+    return _C.forward(x, lam, gates, chunk)
+
+
+@torch.library.register_kernel("gspn2::propagate_backward", "cuda")
+def _propagate_backward_cuda(grad_h, x, lam, gates, h, chunk):
+    if _use_reference(x):
+        return gspn_propagate_backward_ref(grad_h, x, lam, gates, h, chunk)
+    grad_x, grad_lam, grad_gates = _C.backward(grad_h, x, lam, gates, h, chunk)
+    return grad_x, grad_lam, grad_gates

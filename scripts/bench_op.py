@@ -1,0 +1,253 @@
+"""Benchmark of the fused propagation kernel on one GPU (four directions per call).
+
+    python scripts/bench_op.py --out-dir docs/bench            # everything (about a minute on an H200)
+    python scripts/bench_op.py --quick                          # the headline shapes only
+
+For every shape: forward and backward kernel time (median of CUDA-graph replays, triton's
+``do_bench_cudagraph``; ``do_bench`` with CUDA events where graphs are unavailable), the achieved fraction
+of the bandwidth floor, the pure-PyTorch reference's time where affordable (one iteration) and
+FlashAttention (``scaled_dot_product_attention``, bf16, batch B, 4 heads x 64, the same token count H*W)
+where affordable.
+
+Bandwidth floor: every byte each direction needs read once per direction (x, that direction's lam and
+gates; backward also grad_h and the saved h), every output byte written once, divided by the
+device-to-device copy rate measured in the same run (bytes read + bytes written per second).
+Writes ``bench_op.json``, ``bench_op.md`` (a markdown table) and ``bench_op_sweep.png`` (log-log time vs
+resolution) into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import gspn2  # noqa: E402,F401
+from gspn2.ops import _cuda, gspn_propagate_ref  # noqa: E402
+
+BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# (label, B, C, H, W, K, dtype)
+SPEC_SHAPES = [
+    ("GSPN-1 anchor, K=C", 16, 2, 1024, 1024, 2, "fp32"),
+    ("GSPN-1 anchor, K=C", 16, 2, 1024, 1024, 2, "bf16"),
+    ("SPEC 32x32", 32, 49, 32, 32, 49, "fp32"),
+    ("SPEC 128x128", 1, 8, 128, 128, 8, "fp32"),
+]
+for _c in (2, 8):
+    for _r in (56, 28, 14, 7):
+        SPEC_SHAPES.append((f"model, C_proxy={_c}, K=1", 128, _c, _r, _r, 1, "bf16"))
+        SPEC_SHAPES.append((f"model, C_proxy={_c}, K=1", 128, _c, _r, _r, 1, "fp32"))
+SWEEP = [64, 128, 256, 512, 1024, 2048]
+
+
+def median_ms(fn, graph: bool = True) -> float:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if graph:
+        try:
+            return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        except Exception:  # noqa: BLE001  (e.g. an op that cannot be captured)
+            pass
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def once_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in bytes/s (read + write), 2 GiB buffers."""
+    n = 1 << 29
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), graph=False)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def floor_bytes(B, C, H, W, K, esize):
+    px = B * H * W
+    fwd = 4 * (3 * px * C + 3 * px * K)  # read x, lam_d, gates_d; write h_d
+    bwd = 4 * (5 * px * C + 6 * px * K) + px * C  # read grad_h, x, lam, gates, h; write grad_lam/gates; grad_x
+    return fwd * esize, bwd * esize
+
+
+def inputs(B, C, H, W, K, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(B, C, H, W, device="cuda", dtype=dtype, generator=g)
+    lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dtype, generator=g)
+    gates = 2 * torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dtype, generator=g)
+    return x, lam, gates
+
+
+def sdpa_ms(B, N, budget_flops=2e13):
+    """FlashAttention fwd and fwd+bwd, bf16, batch B, 4 heads x 64, N tokens; None if too costly."""
+    flops = 4 * B * 4 * N * N * 64  # fwd: QK^T and PV
+    if flops > budget_flops:
+        return None, None
+    q, k, v = (torch.randn(B, 4, N, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    f = torch.nn.functional.scaled_dot_product_attention
+    if flops > budget_flops / 20:
+        fwd = once_ms(lambda: f(q, k, v))
+        fb = once_ms(lambda: f(q, k, v).sum().backward())
+    else:
+        fwd = median_ms(lambda: f(q, k, v), graph=False)
+        fb = median_ms(lambda: f(q, k, v).sum().backward(), graph=False)
+    return fwd, fb
+
+
+def bench_shape(label, B, C, H, W, K, dt, bw, with_ref, with_sdpa):
+    dtype = DT[dt]
+    x, lam, gates = inputs(B, C, H, W, K, dtype)
+    C_ = _cuda._C
+    h = C_.forward(x, lam, gates, None)
+    grad_h = torch.randn_like(h)
+    rec = dict(label=label, B=B, C=C, H=H, W=W, K=K, dtype=dt)
+    rec["plan_fwd"] = C_.plan(B, C, H, W, K, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt], False)
+    rec["plan_bwd"] = C_.plan(B, C, H, W, K, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt], True)
+    rec["fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
+    rec["bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
+    fb, bb = floor_bytes(B, C, H, W, K, BYTES[dtype])
+    rec["fwd_floor_ms"] = fb / bw * 1e3
+    rec["bwd_floor_ms"] = bb / bw * 1e3
+    rec["fwd_pct_floor"] = 100 * rec["fwd_floor_ms"] / rec["fwd_ms"]
+    rec["bwd_pct_floor"] = 100 * rec["bwd_floor_ms"] / rec["bwd_ms"]
+    if with_ref:
+        rec["ref_fwd_ms"] = once_ms(lambda: gspn_propagate_ref(x, lam, gates))
+        ref = gspn_propagate_ref(x, lam, gates).double()
+        rec["rel_err_vs_ref"] = ((h.double() - ref).norm() / ref.norm()).item()  # same-dtype reference
+        del ref
+    if with_sdpa:
+        rec["sdpa_fwd_ms"], rec["sdpa_fwdbwd_ms"] = sdpa_ms(B, H * W)
+    del x, lam, gates, h, grad_h
+    torch.cuda.empty_cache()
+    return rec
+
+
+def fmt(v, nd=3):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown(records, bw, env):
+    lines = [
+        f"GPU: {env['gpu']}; torch {env['torch']}, CUDA {env['cuda']}; copy bandwidth {bw / 1e12:.2f} TB/s "
+        "(device-to-device, read + write). Times: median ms, four directions per call, chunk = None.",
+        "",
+        "| shape (B x C x H x W, K) | dtype | fwd ms | fwd floor ms | fwd % floor | bwd ms | bwd floor ms | "
+        "bwd % floor | reference fwd ms | SDPA fwd / fwd+bwd ms | plan fwd (cs, T, nbuf) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        pf = r["plan_fwd"]
+        sd = "-" if r.get("sdpa_fwd_ms") is None else f"{fmt(r['sdpa_fwd_ms'])} / {fmt(r['sdpa_fwdbwd_ms'])}"
+        lines.append(
+            f"| {r['label']}: {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {fmt(r['fwd_ms'])} | "
+            f"{fmt(r['fwd_floor_ms'])} | {r['fwd_pct_floor']:.0f}% | {fmt(r['bwd_ms'])} | {fmt(r['bwd_floor_ms'])} | "
+            f"{r['bwd_pct_floor']:.0f}% | {fmt(r.get('ref_fwd_ms'))} | {sd} | {pf['cs']}, {pf['T']}, {pf['nbuf']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = [r for r in records if r["label"].startswith("sweep")]
+    if not sweep:
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for dt in sorted({r["dtype"] for r in sweep}):
+        rs = sorted((r for r in sweep if r["dtype"] == dt), key=lambda r: r["H"])
+        res = [r["H"] for r in rs]
+        ax.plot(res, [r["fwd_ms"] for r in rs], "o-", label=f"GSPN-2 kernel fwd ({dt})")
+        ax.plot(res, [r["bwd_ms"] for r in rs], "s-", label=f"GSPN-2 kernel bwd ({dt})")
+        ax.plot(res, [r["fwd_floor_ms"] for r in rs], ":", color="gray", label=f"fwd bandwidth floor ({dt})")
+        ref = [(r["H"], r["ref_fwd_ms"]) for r in rs if r.get("ref_fwd_ms") is not None]
+        if ref and dt == "fp32":
+            ax.plot(*zip(*ref), "x--", label="PyTorch reference fwd (fp32)")
+        sd = [(r["H"], r["sdpa_fwd_ms"]) for r in rs if r.get("sdpa_fwd_ms") is not None]
+        if sd and dt == "bf16":
+            ax.plot(*zip(*sd), "^--", label="SDPA / FlashAttention fwd (bf16, 4x64)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("resolution (H = W)")
+    ax.set_ylabel("time per call, ms (median)")
+    ax.set_title(f"B=1, C=8, K=1, four directions ({torch.cuda.get_device_name()})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default="bench_out")
+    ap.add_argument("--quick", action="store_true", help="headline shapes only, no sweep")
+    args = ap.parse_args()
+    assert torch.cuda.is_available() and _cuda.extension_available(), "needs a GPU and the built extension"
+    os.makedirs(args.out_dir, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    env = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+    )
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {env['gpu']}", flush=True)
+    shapes = SPEC_SHAPES[:3] if args.quick else SPEC_SHAPES
+    records = []
+    for label, B, C, H, W, K, dt in shapes:
+        t0 = time.time()
+        small = B * C * H * W <= (1 << 22)
+        with_ref = dt == "fp32" and (small or (B, C, H, W) == (16, 2, 1024, 1024))
+        rec = bench_shape(label, B, C, H, W, K, dt, bw, with_ref=with_ref, with_sdpa=dt == "bf16" or small)
+        records.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if not k.startswith("plan")}), f"({time.time() - t0:.1f}s)",
+              flush=True)
+    if not args.quick:
+        for r in SWEEP:
+            for dt in ("fp32", "bf16"):
+                t0 = time.time()
+                rec = bench_shape(f"sweep {r}x{r}", 1, 8, r, r, 1, dt, bw, with_ref=dt == "fp32" and r <= 512,
+                                  with_sdpa=dt == "bf16")
+                records.append(rec)
+                print(json.dumps({k: v for k, v in rec.items() if not k.startswith("plan")}),
+                      f"({time.time() - t0:.1f}s)", flush=True)
+    out = dict(env=env, copy_bandwidth_Bps=bw, records=records)
+    with open(os.path.join(args.out_dir, "bench_op.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    md = markdown(records, bw, env)
+    with open(os.path.join(args.out_dir, "bench_op.md"), "w") as f:
+        f.write(md)
+    plot(records, os.path.join(args.out_dir, "bench_op_sweep.png"))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

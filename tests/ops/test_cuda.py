@@ -1,0 +1,213 @@
+"""The fused CUDA kernels against the float64 reference: outputs, every gradient, dtypes, directions,
+chunks, shapes, determinism, poisoned outputs, op registration. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gspn2  # noqa: F401  (registers the ops)
+from gspn2.ops import _cuda, gspn_propagate, gspn_propagate_backward_ref, gspn_propagate_ref
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# float32: relative error ||kernel - ref64|| / ||ref64|| allowed per output, kept in one place.
+FP32_TOL = {"h": 1e-5, "grad_x": 2e-5, "grad_lam": 2e-5, "grad_gates": 1e-4}
+# bf16 / fp16: kernel error <= LOWP_FACTOR x (error of the reference computed in that dtype) + LOWP_SLACK.
+LOWP_FACTOR = 2.0
+LOWP_SLACK = 1e-4
+
+# (B, C, H, W, K, chunk): H != W, K in {1, 4, C}, groups larger than one block's channel slice (32 > 16),
+# lines of one pixel, lines longer than 1024 pixels, W not a multiple of the access width, chunks that
+# do not divide the scan length, long lines with many tiles.
+CASES = [
+    (2, 4, 9, 13, 1, None),
+    (2, 4, 9, 13, 4, 3),
+    (1, 6, 16, 5, 3, 4),
+    (2, 4, 7, 8, 4, None),
+    (1, 3, 1, 11, 3, None),
+    (1, 2, 10, 1, 1, 2),
+    (1, 1, 1, 1, 1, None),
+    (1, 32, 6, 8, 1, None),
+    (1, 16, 12, 20, 1, 5),
+    (3, 2, 14, 14, 1, 7),
+    (1, 2, 7, 7, 2, None),
+    (1, 2, 3, 1100, 2, None),
+    (1, 2, 1100, 3, 1, 300),
+    (1, 2, 200, 300, 1, None),
+]
+
+
+def _ids(case):
+    B, C, H, W, K, chunk = case
+    return f"B{B}C{C}H{H}W{W}K{K}c{chunk}"
+
+
+def _inputs(B, C, H, W, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64).to(dtype)
+    lam = torch.randn(B, 4, C, H, W, generator=g, dtype=torch.float64).to(dtype)
+    gates = (2 * torch.randn(B, 4, 3, K, H, W, generator=g, dtype=torch.float64)).to(dtype)
+    grad_h = torch.randn(B, 4, C, H, W, generator=g, dtype=torch.float64).to(dtype)
+    return x, lam, gates, grad_h
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    assert torch.isfinite(a).all(), "non-finite values (an element was not written?)"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _poison_cuda_cache() -> None:
+    """Fill free blocks of the caching allocator with NaN so that unwritten outputs show up."""
+    keep = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]  # small-block pool
+    keep.append(torch.full((1 << 26,), float("nan"), device="cuda"))  # large pool
+    del keep
+
+
+def _run_kernel(x, lam, gates, grad_h, chunk):
+    xs, ls, gs = (t.cuda().requires_grad_(True) for t in (x, lam, gates))
+    _poison_cuda_cache()
+    h = gspn_propagate(xs, ls, gs, chunk)
+    _poison_cuda_cache()
+    grads = torch.autograd.grad(h, (xs, ls, gs), grad_h.cuda())
+    torch.cuda.synchronize()
+    return (h.detach(), *grads)
+
+
+def _reference64(x, lam, gates, grad_h, chunk):
+    x, lam, gates, grad_h = (t.double() for t in (x, lam, gates, grad_h))
+    h = gspn_propagate_ref(x, lam, gates, chunk)
+    return (h, *gspn_propagate_backward_ref(grad_h, x, lam, gates, h, chunk))
+
+
+def _reference_lowp(x, lam, gates, grad_h, chunk):
+    """The same computation done by PyTorch in the input dtype (the error yardstick)."""
+    xs, ls, gs = (t.clone().requires_grad_(True) for t in (x, lam, gates))
+    h = gspn_propagate_ref(xs, ls, gs, chunk, upcast=False)
+    grads = torch.autograd.grad(h, (xs, ls, gs), grad_h, allow_unused=True)  # 1x1 images use no gate
+    return (h.detach(), *(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (xs, ls, gs))))
+
+
+NAMES = ("h", "grad_x", "grad_lam", "grad_gates")
+
+
+def test_extension_is_built_on_gpu_machines():
+    assert _cuda.extension_available(), f"gspn2._C failed to import: {_cuda.extension_error()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_matches_float64_reference(case, dtype):
+    B, C, H, W, K, chunk = case
+    x, lam, gates, grad_h = _inputs(B, C, H, W, K, dtype, seed=hash(case) % 1000)
+    got = _run_kernel(x, lam, gates, grad_h, chunk)
+    ref = _reference64(x, lam, gates, grad_h, chunk)
+    for name, g, r, t in zip(NAMES, got, ref, (x, lam, gates, lam)):
+        assert g.dtype == dtype and g.shape == r.shape, name
+    if dtype == torch.float32:
+        for name, g, r in zip(NAMES, got, ref):
+            assert _rel(g, r) <= FP32_TOL[name], f"{name}: {_rel(g, r):.3g} > {FP32_TOL[name]}"
+    else:
+        low = _reference_lowp(x, lam, gates, grad_h, chunk)
+        for name, g, r, lo in zip(NAMES, got, ref, low):
+            bound = LOWP_FACTOR * _rel(lo, r) + LOWP_SLACK
+            assert _rel(g, r) <= bound, f"{name}: kernel {_rel(g, r):.3g} > {bound:.3g} (reference in {dtype})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_deterministic(dtype):
+    x, lam, gates, grad_h = _inputs(2, 32, 33, 40, 1, dtype, seed=5)  # two slices per group: partials
+    a = _run_kernel(x, lam, gates, grad_h, 6)
+    b = _run_kernel(x, lam, gates, grad_h, 6)
+    for name, u, v in zip(NAMES, a, b):
+        assert torch.equal(u, v), name
+
+
+def test_non_contiguous_and_misaligned_inputs():
+    x, lam, gates, grad_h = _inputs(2, 4, 10, 12, 2, torch.float32, seed=7)
+    base = _run_kernel(x, lam, gates, grad_h, None)
+    xt = x.cuda().transpose(-1, -2).contiguous().transpose(-1, -2)
+    lt = lam.cuda().permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+    gbig = torch.zeros(2, 4, 3, 2, 10, 24, device="cuda")
+    gbig[..., ::2] = gates.cuda()
+    gt = gbig[..., ::2]
+    assert not (xt.is_contiguous() or lt.is_contiguous() or gt.is_contiguous())
+    got = _run_kernel(xt, lt, gt, grad_h, None)
+    for name, u, v in zip(NAMES, got, base):
+        assert torch.equal(u, v), name
+    # Contiguous but not 16-byte aligned (a storage offset of one element).
+    flat = torch.empty(x.numel() + 1, device="cuda")
+    xm = flat[1:].view_as(x).copy_(x.cuda())
+    assert xm.data_ptr() % 16 != 0
+    got = _run_kernel(xm, lam, gates, grad_h, None)
+    for name, u, v in zip(NAMES, got, base):
+        assert torch.equal(u, v), name
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_opcheck(chunk):
+    x, lam, gates, grad_h = _inputs(1, 4, 5, 6, 2, torch.float32, seed=9)
+    xs, ls, gs = (t.cuda().requires_grad_(True) for t in (x, lam, gates))
+    torch.library.opcheck(torch.ops.gspn2.propagate.default, (xs, ls, gs, chunk))
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    h = gspn_propagate(xs, ls, gs, chunk)
+    torch.library.opcheck(torch.ops.gspn2.propagate_backward.default, (grad_h.cuda(), xs, ls, gs, h, chunk))
+
+
+def test_torch_compile_fullgraph():
+    x, lam, gates, _ = _inputs(1, 4, 8, 6, 1, torch.float32, seed=10)
+    xs, ls, gs = (t.cuda().requires_grad_(True) for t in (x, lam, gates))
+
+    def f(x, lam, gates):
+        return (gspn_propagate(x * 2, lam, gates, 3) ** 2).sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(xs, ls, gs)
+    grads = torch.autograd.grad(loss, (xs, ls, gs))
+    loss_ref = f(xs, ls, gs)
+    grads_ref = torch.autograd.grad(loss_ref, (xs, ls, gs))
+    torch.testing.assert_close(loss, loss_ref)
+    for g, e in zip(grads, grads_ref):
+        torch.testing.assert_close(g, e)
+
+
+def test_float64_runs_the_reference_and_gradcheck():
+    x, lam, gates, _ = _inputs(1, 2, 3, 4, 1, torch.float64, seed=11)
+    args = tuple(t.cuda().requires_grad_(True) for t in (x, lam, gates))
+    assert torch.autograd.gradcheck(lambda a, b, c: gspn_propagate(a, b, c, 2), args)
+
+
+def test_reference_backend_env(monkeypatch):
+    x, lam, gates, _ = _inputs(1, 2, 5, 6, 1, torch.float32, seed=12)
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    monkeypatch.setenv(_cuda.BACKEND_ENV, "reference")
+    with pytest.warns(UserWarning, match="reference"):
+        _cuda._announced.discard("reference")
+        h_ref = gspn_propagate(xs, ls, gs)
+    monkeypatch.setenv(_cuda.BACKEND_ENV, "auto")
+    torch.testing.assert_close(gspn_propagate(xs, ls, gs), h_ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(_cuda.BACKEND_ENV, "bogus")
+    with pytest.raises(ValueError, match="GSPN2_BACKEND"):
+        gspn_propagate(xs, ls, gs)
+
+
+def test_host_checks_name_the_tensor():
+    x, lam, gates, _ = _inputs(1, 4, 5, 6, 2, torch.float32, seed=13)
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    with pytest.raises(RuntimeError, match=r"`lam` must have shape \(B, 4, C, H, W\) = \[1, 4, 4, 5, 6\]"):
+        _cuda._C.forward(xs, ls[:, :, :, :4], gs, None)
+    with pytest.raises(RuntimeError, match=r"`gates` must have shape"):
+        _cuda._C.forward(xs, ls, gs[:, :3], None)
+    with pytest.raises(RuntimeError, match=r"`x` must be a CUDA tensor"):
+        _cuda._C.forward(x, ls, gs, None)
+    with pytest.raises(RuntimeError, match=r"`gates` must have dtype"):
+        _cuda._C.forward(xs, ls, gs.half(), None)
+    h = _cuda._C.forward(xs, ls, gs, None)
+    with pytest.raises(RuntimeError, match=r"`grad_h` must have shape"):
+        _cuda._C.backward(h[:, :2], xs, ls, gs, h, None)
