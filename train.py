@@ -134,9 +134,11 @@ def train(cfg: DictConfig) -> Path:
     # ------------------------------------------------------------------------------------------ model
     seed_everything(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, cfg.data.num_classes)
-    count = count_model(model, input_size=(3, cfg.data.img_size, cfg.data.img_size))
-    log(f"model {cfg.model.name}: {count.params / 1e6:.3f} M params, "
-        f"{count.macs / 1e9:.4f} G MACs at {cfg.data.img_size}x{cfg.data.img_size}")
+    count = None
+    if master:  # one traced forward pass at batch 1 (fvcore)
+        count = count_model(model, input_size=(3, cfg.data.img_size, cfg.data.img_size))
+        log(f"model {cfg.model.name}: {count.params / 1e6:.3f} M params, "
+            f"{count.macs / 1e9:.4f} G MACs at {cfg.data.img_size}x{cfg.data.img_size}")
     seed_everything(cfg.seed + info.rank)  # from here on: per-rank streams (augmentation, dropout, mixup)
     model.to(device)
     if cfg.trainer.channels_last:
@@ -192,6 +194,12 @@ def train(cfg: DictConfig) -> Path:
     if info.enabled:
         train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None,
                                               gradient_as_bucket_view=True)
+
+    if start_epoch >= num_epochs:
+        log(f"{ckpt_path} already holds all {num_epochs} epochs: nothing to train, nothing rewritten")
+        destroy(info)
+        log(run_dir)
+        return run_dir
 
     # ------------------------------------------------------------------------------ logging, run dir
     config_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -272,6 +280,9 @@ def train(cfg: DictConfig) -> Path:
                 return run_dir
         bar.close()
         train_loss = all_reduce_sum(loss_sum, info).item() / (updates_per_epoch * info.world_size)
+        if not math.isfinite(train_loss):  # keep the last good checkpoint rather than overwrite it
+            raise FloatingPointError(f"training diverged in epoch {epoch + 1} (mean loss {train_loss}); "
+                                     f"{run_dir / 'last.pt'} holds the last finished epoch")
 
         # ------------------------------------------------------------------------------------- eval
         val = evaluate(model, val_loader, info, precision, cfg.trainer.channels_last)
@@ -322,7 +333,9 @@ def train(cfg: DictConfig) -> Path:
             }
             atomic_write_bytes(run_dir / "results.json", json.dumps(results, indent=2).encode())
             plot_curves(history, run_dir / "curves.png")
-            run.log({f"val/{k}": v for k, v in record.items() if k not in ("epoch", "step")} | {"epoch": epoch + 1},
+            run.log({"epoch": epoch + 1, "train/epoch_loss": train_loss}
+                    | {f"val/{k[len('val_'):]}": v for k, v in record.items() if k.startswith("val_")}
+                    | {f"val/ema_{k[len('ema_val_'):]}": v for k, v in record.items() if k.startswith("ema_val_")},
                     step=step)
             ema_msg = f" | EMA top1 {ema_val['top1']:6.2f} loss {ema_val['loss']:.4f}" if ema_val else ""
             log(f"epoch {epoch + 1:3d}/{num_epochs} | train loss {train_loss:.4f} | val top1 {val['top1']:6.2f} "
@@ -331,11 +344,8 @@ def train(cfg: DictConfig) -> Path:
 
     # ------------------------------------------------------------------------------------------ finish
     if master:
-        if start_epoch >= num_epochs:
-            log(f"{run_dir} already holds all {num_epochs} epochs; nothing to do")
-        else:
-            log(f"done: val top1 {results['val_top1']:.2f} (best {best_top1:.2f} at epoch {best_epoch}), "
-                f"{results['train_s']:.0f} s of training")
+        log(f"done: val top1 {results['val_top1']:.2f} (best {best_top1:.2f} at epoch {best_epoch}), "
+            f"{results['train_s']:.0f} s of training")
         run.finish()
     destroy(info)
     log(run_dir)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from gspn2.train.data import write_digits
 from tests.train._helpers import last_line, load_script, run_cli
@@ -44,3 +45,11 @@ def short_run(tmp_path_factory, digits_root):
     run_dir = Path(last_line(proc.stdout))
     results = json.loads((run_dir / "results.json").read_text())
     return proc, run_dir, results
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """train.py sets the CPU thread count from trainer.cpu_threads; keep that out of other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
