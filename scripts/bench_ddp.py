@@ -66,7 +66,9 @@ def main() -> None:
     optimizer = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
     train_model = torch.compile(model) if args.compile else model
     if info.enabled:
-        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
+        train_model = DistributedDataParallel(
+            train_model, device_ids=[device.index] if device.type == "cuda" else None
+        )
 
     g = torch.Generator(device="cpu").manual_seed(1234 + info.rank)
     images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g).to(device)
@@ -107,25 +109,48 @@ def main() -> None:
     per_rank = all_gather_object(args.batch_size * args.steps / elapsed, info)
     peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     if info.is_main:
-        hw = f"{info.world_size} x {torch.cuda.get_device_name(device)}" if device.type == "cuda" else \
-            f"{info.world_size} x CPU process"
+        hw = (
+            f"{info.world_size} x {torch.cuda.get_device_name(device)}"
+            if device.type == "cuda"
+            else f"{info.world_size} x CPU process"
+        )
         params = sum(p.numel() for p in model.parameters())
-        print(f"{args.model} ({params / 1e6:.1f} M params) | {hw} | {args.precision} | "
-              f"{'channels_last' if args.channels_last else 'contiguous'}{' | compiled' if args.compile else ''} | "
-              f"batch {args.batch_size}/GPU | {args.img_size}x{args.img_size} | torch {torch.__version__} | "
-              f"timm {timm.__version__}")
-        print(f"step {elapsed / args.steps * 1e3:.1f} ms | {sum(per_rank) / len(per_rank):.1f} img/s per GPU "
-              f"(min {min(per_rank):.1f}) | {sum(per_rank):.1f} img/s total | peak memory "
-              f"{'n/a' if peak_gb is None else f'{peak_gb:.1f} GB'}")
+        print(
+            f"{args.model} ({params / 1e6:.1f} M params) | {hw} | {args.precision} | "
+            f"{'channels_last' if args.channels_last else 'contiguous'}"
+            f"{' | compiled' if args.compile else ''} | "
+            f"batch {args.batch_size}/GPU | {args.img_size}x{args.img_size} | torch {torch.__version__} | "
+            f"timm {timm.__version__}"
+        )
+        print(
+            f"step {elapsed / args.steps * 1e3:.1f} ms | {sum(per_rank) / len(per_rank):.1f} img/s per GPU "
+            f"(min {min(per_rank):.1f}) | {sum(per_rank):.1f} img/s total | peak memory "
+            f"{'n/a' if peak_gb is None else f'{peak_gb:.1f} GB'}"
+        )
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({
-                "model": args.model, "params": params, "world_size": info.world_size, "device": hw,
-                "precision": args.precision, "channels_last": args.channels_last, "compile": args.compile,
-                "batch_per_gpu": args.batch_size, "img_size": args.img_size, "steps": args.steps,
-                "img_per_s_per_gpu": per_rank, "img_per_s_total": sum(per_rank), "peak_memory_gb": peak_gb,
-                "torch": torch.__version__, "timm": timm.__version__,
-            }, indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "model": args.model,
+                        "params": params,
+                        "world_size": info.world_size,
+                        "device": hw,
+                        "precision": args.precision,
+                        "channels_last": args.channels_last,
+                        "compile": args.compile,
+                        "batch_per_gpu": args.batch_size,
+                        "img_size": args.img_size,
+                        "steps": args.steps,
+                        "img_per_s_per_gpu": per_rank,
+                        "img_per_s_total": sum(per_rank),
+                        "peak_memory_gb": peak_gb,
+                        "torch": torch.__version__,
+                        "timm": timm.__version__,
+                    },
+                    indent=2,
+                )
+            )
     destroy(info)
 
 

@@ -15,13 +15,13 @@ PY=${PYTHON:-python3}
 } 2>&1 | tee "$OUT/env.txt"
 
 t0=$(date +%s)
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
+[[ ${SKIP_BUILD:-0} == 1 ]] || CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
   $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo BUILD FAILED; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 
 if [[ $MODE == all || $MODE == test ]]; then
   t0=$(date +%s)
-  timeout 420 $PY -m pytest -q -p no:cacheprovider tests/ops/test_cuda.py tests/ops/test_build.py \
+  timeout 420 $PY -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda.py tests/ops/test_build.py \
     -W ignore::DeprecationWarning >"$OUT/pytest.log" 2>&1
   echo "pytest rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/pytest.log" | head -30
@@ -40,11 +40,19 @@ torch.cuda.synchronize()
 print("sanitize case ok")
 PYEOF
   for tool in memcheck racecheck synccheck; do
-    timeout 150 compute-sanitizer --tool $tool --kernel-name regex:gspn --print-limit 20 \
+    timeout 150 compute-sanitizer --tool $tool --print-limit 20 \
       $PY /tmp/sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | head -2 | tr '\n' ' ')"
   done
   echo "sanitizers: $(( $(date +%s) - t0 )) s"
+fi
+
+if [[ $MODE == profile ]]; then
+  for a in 0 1 2 4 3 6 5; do GSPN2_ABLATE=$a $PY scripts/gpu_profile.py time s128 s32 big bigbf m56 2>&1 | grep ablate; done | tee "$OUT/ablate.txt"
+  timeout 240 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section SchedulerStats --section Occupancy --section LaunchStats --section SourceCounters \
+    -k regex:gspn_forward -c 3 $PY scripts/gpu_profile.py run s128 big >"$OUT/ncu_fwd.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Achieved Occ|Registers|Shared Memory Config" "$OUT/ncu_fwd.txt" | head -60
 fi
 
 if [[ $MODE == all || $MODE == bench || $MODE == quick ]]; then

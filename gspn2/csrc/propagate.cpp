@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -104,6 +105,12 @@ void make_plan(PropagateParams& p, bool backward) {
               "a few thousand pixels (GSPN2_BACKEND=reference runs any size)");
   p = best;
   fill_copy_sets(p, backward);
+  for (int o = 0; o < 2; ++o) {  // profiling ablations (GSPN2_ABLATE), results are wrong
+    for (int k = 0; k < kNumCopyKinds; ++k) {
+      const bool load = k == kLoadMain || k == kLoadBoundary;
+      if ((load && (p.ablate & 1)) || (!load && (p.ablate & 4))) p.copy[o][k].njobs = 0;
+    }
+  }
 }
 
 PropagateParams make_params(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
@@ -132,6 +139,11 @@ PropagateParams make_params(const at::Tensor& x, const at::Tensor& lam, const at
   p.h_sc = p.lam_sc;
   p.gxp_sd = int64_t(p.B) * p.C * HW;
   p.ggp_ssl = int64_t(p.B) * 4 * 3 * p.K * HW;
+  static const int ablate = [] {
+    const char* v = std::getenv("GSPN2_ABLATE");
+    return v ? std::atoi(v) : 0;
+  }();
+  p.ablate = ablate;
   p.x = x.data_ptr();
   p.lam = lam.data_ptr();
   p.gates = gates.data_ptr();
@@ -231,15 +243,28 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   return d;
 }
 
+// c10::Error -> RuntimeError with the message only (pybind11's default translation would format the
+// C++ backtrace, which is slow and has crashed in sandboxed environments).
+template <typename Ret, typename... Args>
+auto translate_errors(Ret (*fn)(Args...)) {
+  return [fn](Args... args) -> Ret {
+    try {
+      return fn(std::forward<Args>(args)...);
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(e.what_without_backtrace());
+    }
+  };
+}
+
 }  // namespace
 }  // namespace gspn2
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gspn2 CUDA kernels (use gspn2.ops.gspn_propagate; this module is imported by gspn2.ops._cuda only)";
-  m.def("forward", &gspn2::propagate_forward, "h = propagate(x, lam, gates, chunk)", py::arg("x"), py::arg("lam"),
+  m.def("forward", gspn2::translate_errors(&gspn2::propagate_forward), "h = propagate(x, lam, gates, chunk)", py::arg("x"), py::arg("lam"),
         py::arg("gates"), py::arg("chunk"));
-  m.def("backward", &gspn2::propagate_backward, "(grad_x, grad_lam, grad_gates) = propagate_backward(...)",
+  m.def("backward", gspn2::translate_errors(&gspn2::propagate_backward), "(grad_x, grad_lam, grad_gates) = propagate_backward(...)",
         py::arg("grad_h"), py::arg("x"), py::arg("lam"), py::arg("gates"), py::arg("h"), py::arg("chunk"));
-  m.def("plan", &gspn2::plan, "launch plan of the kernels", py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"),
+  m.def("plan", gspn2::translate_errors(&gspn2::plan), "launch plan of the kernels", py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"),
         py::arg("K"), py::arg("dtype"), py::arg("backward"));
 }

@@ -88,6 +88,7 @@ struct PropagateParams {
   int nbuf;    // input tile buffers: 2 = the next tile lands while this one is computed; 1 for long lines
   int E;       // elements per vertical-scan access along W: the widest power of two <= 16 bytes dividing W
   int smem_bytes;
+  int ablate;  // profiling only (GSPN2_ABLATE): bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores
   CopySet copy[2][kNumCopyKinds];
   // x (B, C, H, W)
   int64_t x_sb, x_sc;

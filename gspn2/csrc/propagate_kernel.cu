@@ -324,7 +324,7 @@ __device__ __forceinline__ void forward_block(const PropagateParams& p, const Bl
       const bool restart = sm == 0;
       const float* prev = line + parity * cs * pp;
       float* next = line + (parity ^ 1) * cs * pp;
-      if (tid < nxa) {
+      if (tid < nxa && !(p.ablate & 2)) {
         const int rb = PI::row(t, pitch);
         for (int q = tid; q < L; q += nxa) {
           const int o = rb + q * PI::kQ;
@@ -485,7 +485,7 @@ __device__ __forceinline__ void backward_block(const PropagateParams& p, const B
       // boundary planes. (A partial last tile of a decreasing scan ends on s = 0, a restart.)
       const bool from_bnd = inc ? t == 0 : t == T - 1;
       const int hrb = PI::row(from_bnd ? (inc ? ext - 1 : 0) : (inc ? t - 1 : t + 1), pitch);
-      if (tid < nxa) {
+      if (tid < nxa && !(p.ablate & 2)) {
         const int rb = PI::row(t, pitch);
         for (int q = tid; q < L; q += nxa) {
           const int o = rb + q * PI::kQ;  // this step's element in the Bits planes

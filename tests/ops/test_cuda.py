@@ -57,10 +57,12 @@ def _inputs(B, C, H, W, K, dtype, seed):
     return x, lam, gates, grad_h
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def _rel(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """||a - b|| / max(||b||, scale): relative error, with a floor for outputs that are ~0 exactly
+    (gate gradients of one-pixel lines are zero up to rounding)."""
     a, b = a.double().cpu(), b.double().cpu()
     assert torch.isfinite(a).all(), "non-finite values (an element was not written?)"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return ((a - b).norm() / max(b.norm().item(), scale, 1e-30)).item()
 
 
 def _poison_cuda_cache() -> None:
@@ -110,14 +112,16 @@ def test_matches_float64_reference(case, dtype):
     ref = _reference64(x, lam, gates, grad_h, chunk)
     for name, g, r, t in zip(NAMES, got, ref, (x, lam, gates, lam)):
         assert g.dtype == dtype and g.shape == r.shape, name
+    scale = 1e-2 * grad_h.double().norm().item()
     if dtype == torch.float32:
         for name, g, r in zip(NAMES, got, ref):
-            assert _rel(g, r) <= FP32_TOL[name], f"{name}: {_rel(g, r):.3g} > {FP32_TOL[name]}"
+            err = _rel(g, r, scale)
+            assert err <= FP32_TOL[name], f"{name}: {err:.3g} > {FP32_TOL[name]}"
     else:
         low = _reference_lowp(x, lam, gates, grad_h, chunk)
         for name, g, r, lo in zip(NAMES, got, ref, low):
-            bound = LOWP_FACTOR * _rel(lo, r) + LOWP_SLACK
-            assert _rel(g, r) <= bound, f"{name}: kernel {_rel(g, r):.3g} > {bound:.3g} (reference in {dtype})"
+            err, bound = _rel(g, r, scale), LOWP_FACTOR * _rel(lo, r, scale) + LOWP_SLACK
+            assert err <= bound, f"{name}: kernel {err:.3g} > {bound:.3g} (reference in {dtype})"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
