@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import warnings
@@ -210,8 +209,6 @@ def count_model(
             # Unsupported ops are returned in the result instead of logged once per run.
             analysis.unsupported_ops_warnings(False)
             analysis.uncalled_modules_warnings(False)
-            # fvcore's tracer warns through the root logger about every non-tensor output; keep it quiet.
-            logging.getLogger("fvcore").setLevel(logging.ERROR)
             macs = int(analysis.total())
             by_module = {k: int(v) for k, v in analysis.by_module().items()}
             by_operator = {k: int(v) for k, v in analysis.by_operator().items()}

@@ -28,7 +28,6 @@ channels, ``K = affinity_groups``::
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch

@@ -82,14 +82,14 @@ def test_paper_counts_within_tolerance(name, default_models):
 
 def test_count_script_runs():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "count.py"), "--model", "gspn2_micro", "--breakdown"],
+        [sys.executable, str(REPO / "scripts" / "count.py"), "--model", "gspn2_micro", "--img-size", "32", "--breakdown"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "gspn2_micro" in proc.stdout
+    assert "gspn2_micro" in proc.stdout and "32x32" in proc.stdout
     assert "mixers" in proc.stdout and "gspn2::propagate" in proc.stdout
 
 
