@@ -568,22 +568,26 @@ default_cfgs = generate_default_cfgs(
 @register_model
 def gspn2_micro(pretrained: bool = False, **kwargs) -> GSPN2:
     model_args = dict(depths=(1, 1, 2, 1), dims=(16, 32, 64, 128))
-    return _create_gspn2("gspn2_micro", pretrained=pretrained, **dict(model_args, **kwargs))
+    model = _create_gspn2("gspn2_micro", pretrained=pretrained, **dict(model_args, **kwargs))
+    return model
 
 
 @register_model
 def gspn2_tiny(pretrained: bool = False, **kwargs) -> GSPN2:
     model_args = dict(depths=(2, 3, 8, 2), dims=(80, 160, 320, 640))
-    return _create_gspn2("gspn2_tiny", pretrained=pretrained, **dict(model_args, **kwargs))
+    model = _create_gspn2("gspn2_tiny", pretrained=pretrained, **dict(model_args, **kwargs))
+    return model
 
 
 @register_model
 def gspn2_small(pretrained: bool = False, **kwargs) -> GSPN2:
     model_args = dict(depths=(2, 3, 21, 2), dims=(88, 176, 352, 704))
-    return _create_gspn2("gspn2_small", pretrained=pretrained, **dict(model_args, **kwargs))
+    model = _create_gspn2("gspn2_small", pretrained=pretrained, **dict(model_args, **kwargs))
+    return model
 
 
 @register_model
 def gspn2_base(pretrained: bool = False, **kwargs) -> GSPN2:
     model_args = dict(depths=(5, 5, 12, 5), dims=(112, 224, 448, 896))
-    return _create_gspn2("gspn2_base", pretrained=pretrained, **dict(model_args, **kwargs))
+    model = _create_gspn2("gspn2_base", pretrained=pretrained, **dict(model_args, **kwargs))
+    return model
