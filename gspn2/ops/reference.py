@@ -190,9 +190,9 @@ def gspn_propagate_backward_ref(
     ct = _compute_dtype(x.dtype)
     grad_h, x, lam, gates, h = (t.to(ct) for t in (grad_h, x, lam, gates, h))
     xg = x.reshape(B, K, G, H, W)
-    grad_x = torch.zeros_like(xg)
+    grad_x = torch.zeros(B, K, G, H, W, dtype=ct, device=x.device)
     grad_lam = torch.empty(B, 4, K, G, H, W, dtype=ct, device=x.device)
-    grad_gates = torch.empty_like(gates)
+    grad_gates = torch.empty(gates.shape, dtype=ct, device=x.device)  # contiguous, as the fake says
     for d in range(4):
         gd = _to_canonical(gates[:, d], d)  # (B, 3, K, L, S)
         sig = torch.sigmoid(gd)

@@ -135,3 +135,13 @@ def test_bad_input_raises_naming_the_argument(case):
     _, args, exc, pattern = case
     with pytest.raises(exc, match=pattern):
         gspn_propagate(*args)
+
+
+def test_backward_returns_contiguous_gradients_for_strided_inputs():
+    """The fake promises contiguous gradients; the real implementation must keep that promise."""
+    x, lam, gates = _inputs(1, 2, 4, 5, 1)
+    xs = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    gs = gates.transpose(-1, -2).contiguous().transpose(-1, -2)
+    h = gspn_propagate(xs, lam, gs)
+    grads = torch.ops.gspn2.propagate_backward(torch.randn_like(h), xs, lam, gs, h, None)
+    assert all(g.is_contiguous() for g in grads)
