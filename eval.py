@@ -45,7 +45,9 @@ def run_eval(cfg: DictConfig) -> Path:
     """Evaluate as ``cfg`` (a composed ``configs/eval.yaml``) says; returns the results JSON path."""
     validate(cfg, EvalConfig)
     if (cfg.checkpoint is None) == (cfg.model_name is None):
-        raise ValueError("give exactly one of checkpoint=<train.py checkpoint> or model_name=<timm model name>")
+        raise ValueError(
+            "give exactly one of checkpoint=<train.py checkpoint> or model_name=<timm model name>"
+        )
     info = init_distributed(cfg.device)
     log = print if info.is_main else (lambda *a, **k: None)
 
@@ -58,22 +60,29 @@ def run_eval(cfg: DictConfig) -> Path:
         model = build_model(train_cfg.model, train_cfg.data.num_classes)
         if cfg.ema and ckpt.get("ema") is None:
             raise CheckpointError(f"ema=true but checkpoint {str(ckpt_path)!r} holds no EMA weights")
-        load_model_state(model, ckpt["ema"] if cfg.ema else ckpt["model"], ckpt_path,
-                         what="EMA" if cfg.ema else "model")
+        load_model_state(
+            model, ckpt["ema"] if cfg.ema else ckpt["model"], ckpt_path, what="EMA" if cfg.ema else "model"
+        )
         td = train_cfg.data
         data = SimpleNamespace(
-            root=_pick(cfg.data.root, td.root), val_split=_pick(cfg.data.val_split, td.val_split),
-            img_size=_pick(cfg.img_size, td.img_size), crop_pct=_pick(cfg.data.crop_pct, td.crop_pct),
+            root=_pick(cfg.data.root, td.root),
+            val_split=_pick(cfg.data.val_split, td.val_split),
+            img_size=_pick(cfg.img_size, td.img_size),
+            crop_pct=_pick(cfg.data.crop_pct, td.crop_pct),
             interpolation=_pick(cfg.data.interpolation, td.interpolation),
-            mean=list(_pick(cfg.data.mean, td.mean)), std=list(_pick(cfg.data.std, td.std)),
+            mean=list(_pick(cfg.data.mean, td.mean)),
+            std=list(_pick(cfg.data.std, td.std)),
             batch_size=_pick(cfg.data.batch_size, td.eval_batch_size),
             val_subset=_pick(cfg.data.val_subset, td.val_subset),
         )
         precision = _pick(cfg.precision, train_cfg.trainer.precision)
         name = train_cfg.model.name
         source = f"{ckpt_path} ({'EMA' if cfg.ema else 'model'} weights, epoch {ckpt['epoch']})"
-        out = Path(cfg.out) if cfg.out else ckpt_path.parent / (
-            f"eval_{ckpt_path.stem}{'_ema' if cfg.ema else ''}_{data.img_size}.json")
+        out = (
+            Path(cfg.out)
+            if cfg.out
+            else ckpt_path.parent / (f"eval_{ckpt_path.stem}{'_ema' if cfg.ema else ''}_{data.img_size}.json")
+        )
         del ckpt
     else:
         if cfg.ema:
@@ -84,27 +93,42 @@ def run_eval(cfg: DictConfig) -> Path:
         model = timm.create_model(cfg.model_name, pretrained=cfg.pretrained, **extra)
         pre = resolve_data_config({}, model=model)
         data = SimpleNamespace(
-            root=cfg.data.root, val_split=_pick(cfg.data.val_split, "val"),
-            img_size=_pick(cfg.img_size, pre["input_size"][-1]), crop_pct=_pick(cfg.data.crop_pct, pre["crop_pct"]),
+            root=cfg.data.root,
+            val_split=_pick(cfg.data.val_split, "val"),
+            img_size=_pick(cfg.img_size, pre["input_size"][-1]),
+            crop_pct=_pick(cfg.data.crop_pct, pre["crop_pct"]),
             interpolation=_pick(cfg.data.interpolation, pre["interpolation"]),
-            mean=list(_pick(cfg.data.mean, pre["mean"])), std=list(_pick(cfg.data.std, pre["std"])),
-            batch_size=_pick(cfg.data.batch_size, 256), val_subset=cfg.data.val_subset,
+            mean=list(_pick(cfg.data.mean, pre["mean"])),
+            std=list(_pick(cfg.data.std, pre["std"])),
+            batch_size=_pick(cfg.data.batch_size, 256),
+            val_subset=cfg.data.val_subset,
         )
         precision = _pick(cfg.precision, "fp32")
         name = cfg.model_name
         source = f"timm {cfg.model_name} ({'pretrained' if cfg.pretrained else 'random'} weights)"
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path(cfg.out) if cfg.out else Path("runs/eval") / f"{cfg.model_name}_{data.img_size}_{stamp}.json"
+        out = (
+            Path(cfg.out) if cfg.out else Path("runs/eval") / f"{cfg.model_name}_{data.img_size}_{stamp}.json"
+        )
 
     check_image_folder(data.root, [data.val_split])
-    val_set = build_dataset(data.root, data.val_split, build_transform(data, None, is_training=False),
-                            data.val_subset)
+    val_set = build_dataset(
+        data.root, data.val_split, build_transform(data, None, is_training=False), data.val_subset
+    )
     num_outputs = model.num_classes
     if len(val_set.classes) > num_outputs:
-        raise DataError(f"{Path(data.root) / data.val_split} has {len(val_set.classes)} classes, "
-                        f"more than the {num_outputs} outputs of {name}")
-    loader = build_eval_loader(val_set, data.batch_size, info.world_size, info.rank, cfg.data.num_workers,
-                               pin_memory=info.device.type == "cuda")
+        raise DataError(
+            f"{Path(data.root) / data.val_split} has {len(val_set.classes)} classes, "
+            f"more than the {num_outputs} outputs of {name}"
+        )
+    loader = build_eval_loader(
+        val_set,
+        data.batch_size,
+        info.world_size,
+        info.rank,
+        cfg.data.num_workers,
+        pin_memory=info.device.type == "cuda",
+    )
 
     # ------------------------------------------------------------------------------------ evaluate
     count = count_model(model, input_size=(3, data.img_size, data.img_size))
@@ -113,18 +137,35 @@ def run_eval(cfg: DictConfig) -> Path:
         model.to(memory_format=torch.channels_last)
     metrics = evaluate(model, loader, info, precision, cfg.channels_last)
     results = {
-        "top1": metrics["top1"], "top5": metrics["top5"], "loss": metrics["loss"],
-        "images": metrics["images"], "img_per_s": metrics["img_per_s"],
-        "params": count.params, "macs": count.macs, "model": name, "source": source,
-        "checkpoint": cfg.checkpoint, "ema": cfg.ema, "img_size": data.img_size, "crop_pct": data.crop_pct,
-        "data_root": str(data.root), "val_split": data.val_split, "batch_size": data.batch_size,
-        "precision": precision, "device": str(info.device), "world_size": info.world_size,
+        "top1": metrics["top1"],
+        "top5": metrics["top5"],
+        "loss": metrics["loss"],
+        "images": metrics["images"],
+        "img_per_s": metrics["img_per_s"],
+        "params": count.params,
+        "macs": count.macs,
+        "model": name,
+        "source": source,
+        "checkpoint": cfg.checkpoint,
+        "ema": cfg.ema,
+        "img_size": data.img_size,
+        "crop_pct": data.crop_pct,
+        "data_root": str(data.root),
+        "val_split": data.val_split,
+        "batch_size": data.batch_size,
+        "precision": precision,
+        "device": str(info.device),
+        "world_size": info.world_size,
     }
     log(f"{name}: {source}")
-    log(f"params {count.params / 1e6:.3f} M | MACs {count.macs / 1e9:.4f} G at {data.img_size}x{data.img_size}")
-    log(f"{metrics['images']} images of {Path(data.root) / data.val_split} | top1 {metrics['top1']:.2f} | "
+    size = f"{data.img_size}x{data.img_size}"
+    log(f"params {count.params / 1e6:.3f} M | MACs {count.macs / 1e9:.4f} G at {size}")
+    log(
+        f"{metrics['images']} images of {Path(data.root) / data.val_split} | top1 {metrics['top1']:.2f} | "
         f"top5 {metrics['top5']:.2f} | loss {metrics['loss']:.4f} | "
-        f"{metrics['img_per_s']:.1f} img/s (forward, batch {data.batch_size}, {precision}, {info.device.type})")
+        f"{metrics['img_per_s']:.1f} img/s "
+        f"(forward, batch {data.batch_size}, {precision}, {info.device.type})"
+    )
     if info.is_main:
         atomic_write_bytes(out, json.dumps(results, indent=2).encode())
     destroy(info)

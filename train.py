@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    python train.py                    # embedded default: gspn2_micro on scikit-learn's digits (CPU, ~2-3 min)
+    python train.py                    # embedded default: gspn2_micro on scikit-learn's digits (CPU, ~2 min)
     python train.py trainer.epochs=5 data.batch_size=32            # any key of configs/ can be overridden
     python train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet
     torchrun --nproc_per_node=8 train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet
@@ -120,15 +120,19 @@ def train(cfg: DictConfig) -> Path:
     elif cfg.data.prepare is not None:
         raise ValueError(f"data.prepare must be null or 'digits', got {cfg.data.prepare!r}")
     check_image_folder(root, [cfg.data.train_split, cfg.data.val_split])
-    train_set = build_dataset(root, cfg.data.train_split, build_transform(cfg.data, cfg.aug, is_training=True),
-                              cfg.data.train_subset)
-    val_set = build_dataset(root, cfg.data.val_split, build_transform(cfg.data, cfg.aug, is_training=False),
-                            cfg.data.val_subset)
+    train_tf = build_transform(cfg.data, cfg.aug, is_training=True)
+    val_tf = build_transform(cfg.data, cfg.aug, is_training=False)
+    train_set = build_dataset(root, cfg.data.train_split, train_tf, subset=cfg.data.train_subset)
+    val_set = build_dataset(root, cfg.data.val_split, val_tf, subset=cfg.data.val_subset)
     check_classes(train_set, val_set, cfg.data.num_classes)
-    train_loader = build_train_loader(train_set, cfg.data.batch_size, info.world_size, info.rank, cfg.seed,
-                                      cfg.data.num_workers, cfg.data.pin_memory)
-    val_loader = build_eval_loader(val_set, cfg.data.eval_batch_size, info.world_size, info.rank,
-                                   cfg.data.num_workers, cfg.data.pin_memory)
+    loader_args = dict(
+        world_size=info.world_size,
+        rank=info.rank,
+        num_workers=cfg.data.num_workers,
+        pin_memory=cfg.data.pin_memory,
+    )
+    train_loader = build_train_loader(train_set, cfg.data.batch_size, seed=cfg.seed, **loader_args)
+    val_loader = build_eval_loader(val_set, cfg.data.eval_batch_size, **loader_args)
     updates_per_epoch = steps_per_epoch(train_loader, accum, cfg.trainer.limit_train_steps)
 
     # ------------------------------------------------------------------------------------------ model
@@ -137,8 +141,10 @@ def train(cfg: DictConfig) -> Path:
     count = None
     if master:  # one traced forward pass at batch 1 (fvcore)
         count = count_model(model, input_size=(3, cfg.data.img_size, cfg.data.img_size))
-        log(f"model {cfg.model.name}: {count.params / 1e6:.3f} M params, "
-            f"{count.macs / 1e9:.4f} G MACs at {cfg.data.img_size}x{cfg.data.img_size}")
+        log(
+            f"model {cfg.model.name}: {count.params / 1e6:.3f} M params, "
+            f"{count.macs / 1e9:.4f} G MACs at {cfg.data.img_size}x{cfg.data.img_size}"
+        )
     seed_everything(cfg.seed + info.rank)  # from here on: per-rank streams (augmentation, dropout, mixup)
     model.to(device)
     if cfg.trainer.channels_last:
@@ -150,7 +156,9 @@ def train(cfg: DictConfig) -> Path:
     global_batch = cfg.data.batch_size * info.world_size * accum
     lr_scale = global_batch / cfg.optim.lr_base_size
     optimizer = build_optimizer(cfg.optim, model, lr_scale)  # AdamW, no decay on norms/biases/1-D
-    scheduler, num_epochs = build_scheduler(cfg.sched, optimizer, cfg.trainer.epochs, lr_scale, updates_per_epoch)
+    scheduler, num_epochs = build_scheduler(
+        cfg.sched, optimizer, cfg.trainer.epochs, lr_scale, updates_per_epoch
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
     if cfg.ema.mesa_weight > 0 and ema is None:
@@ -165,14 +173,17 @@ def train(cfg: DictConfig) -> Path:
         load_model_state(model, ckpt["model"], ckpt_path)
         if ema is not None:
             if ckpt.get("ema") is None:
-                raise CheckpointError(f"checkpoint {str(ckpt_path)!r} has no EMA weights; resume with "
-                                      f"ema.enabled=false or start a new run")
+                raise CheckpointError(
+                    f"checkpoint {str(ckpt_path)!r} has no EMA weights; resume with "
+                    f"ema.enabled=false or start a new run"
+                )
             load_model_state(ema.module, ckpt["ema"], ckpt_path, what="EMA")
         try:
             optimizer.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"the optimizer state in {str(ckpt_path)!r} does not fit "
-                                  f"optim={cfg.optim.name}: {e}") from e
+            raise CheckpointError(
+                f"the optimizer state in {str(ckpt_path)!r} does not fit optim={cfg.optim.name}: {e}"
+            ) from e
         scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
@@ -181,25 +192,30 @@ def train(cfg: DictConfig) -> Path:
         if len(ckpt["rng"]) == info.world_size:
             set_rng_state(ckpt["rng"][info.rank], device)
         else:
-            log(f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, this run has "
-                f"{info.world_size}: random streams restart from seed {cfg.seed} + rank")
+            log(
+                f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, this run has "
+                f"{info.world_size}: random streams restart from seed {cfg.seed} + rank"
+            )
         if ckpt_path == own_last:
             wandb_id = ckpt["wandb_id"]  # the same run continues: append to its W&B run
         log(f"resumed from {ckpt_path}: epoch {start_epoch}, step {step}")
         del ckpt
-
-    train_model: nn.Module = model
-    if cfg.trainer.compile:
-        train_model = torch.compile(train_model)
-    if info.enabled:
-        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None,
-                                              gradient_as_bucket_view=True)
 
     if start_epoch >= num_epochs:
         log(f"{ckpt_path} already holds all {num_epochs} epochs: nothing to train, nothing rewritten")
         destroy(info)
         log(run_dir)
         return run_dir
+
+    train_model: nn.Module = model
+    if cfg.trainer.compile:
+        train_model = torch.compile(train_model)
+    if info.enabled:
+        train_model = DistributedDataParallel(
+            train_model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
 
     # ------------------------------------------------------------------------------ logging, run dir
     config_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -208,14 +224,23 @@ def train(cfg: DictConfig) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
         run = wandb.init(
-            project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-            name=cfg.logger.name or f"{cfg.name}/{run_dir.name}", tags=list(cfg.logger.tags),
-            mode=cfg.logger.mode, dir=str(run_dir), id=wandb_id,
-            resume="allow", config=config_dict,
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            group=cfg.logger.group,
+            name=cfg.logger.name or f"{cfg.name}/{run_dir.name}",
+            tags=list(cfg.logger.tags),
+            mode=cfg.logger.mode,
+            dir=str(run_dir),
+            id=wandb_id,
+            resume="allow",
+            config=config_dict,
         )
         wandb_id = run.id
-        log(f"run directory {run_dir} | {info.world_size} process(es) on {device.type} | global batch "
-            f"{global_batch} | lr {cfg.optim.lr * lr_scale:.3g} | {updates_per_epoch} steps/epoch | {precision}")
+        log(
+            f"run directory {run_dir} | {info.world_size} process(es) on {device.type} | global batch "
+            f"{global_batch} | lr {cfg.optim.lr * lr_scale:.3g} | {updates_per_epoch} steps/epoch | "
+            f"{precision}"
+        )
 
     # ------------------------------------------------------------------------------------------- loop
     results: dict = {}
@@ -227,8 +252,14 @@ def train(cfg: DictConfig) -> Path:
         mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         batches = iter(train_loader)
-        bar = tqdm(total=updates_per_epoch, desc=f"epoch {epoch + 1}/{num_epochs}", leave=False,
-                   disable=not (master and cfg.trainer.progress), dynamic_ncols=True, mininterval=1.0)
+        bar = tqdm(
+            total=updates_per_epoch,
+            desc=f"epoch {epoch + 1}/{num_epochs}",
+            leave=False,
+            disable=not (master and cfg.trainer.progress),
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
         for _ in range(updates_per_epoch):
             for micro in range(accum):
                 images, targets = next(batches)
@@ -239,7 +270,9 @@ def train(cfg: DictConfig) -> Path:
                 if cfg.trainer.channels_last:
                     images = images.contiguous(memory_format=torch.channels_last)
                 last_micro = micro == accum - 1
-                no_sync = train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
+                no_sync = (
+                    train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
+                )
                 with no_sync:
                     with autocast(device, precision):
                         logits = train_model(images)
@@ -272,7 +305,7 @@ def train(cfg: DictConfig) -> Path:
             if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
                 # crash simulation (resume tests): leave without saving anything of this epoch
                 bar.close()
-                log(f"stopped after {step} steps (trainer.stop_after_steps): nothing saved since epoch {epoch}")
+                log(f"stopped after {step} steps (trainer.stop_after_steps); last saved: epoch {epoch}")
                 if run is not None:
                     run.finish(exit_code=1)
                 destroy(info)
@@ -281,19 +314,30 @@ def train(cfg: DictConfig) -> Path:
         bar.close()
         train_loss = all_reduce_sum(loss_sum, info).item() / (updates_per_epoch * info.world_size)
         if not math.isfinite(train_loss):  # keep the last good checkpoint rather than overwrite it
-            raise FloatingPointError(f"training diverged in epoch {epoch + 1} (mean loss {train_loss}); "
-                                     f"{run_dir / 'last.pt'} holds the last finished epoch")
+            raise FloatingPointError(
+                f"training diverged in epoch {epoch + 1} (mean loss {train_loss}); "
+                f"{run_dir / 'last.pt'} holds the last finished epoch"
+            )
 
         # ------------------------------------------------------------------------------------- eval
         val = evaluate(model, val_loader, info, precision, cfg.trainer.channels_last)
-        ema_val = evaluate(ema.module, val_loader, info, precision, cfg.trainer.channels_last) if ema else None
+        ema_val = (
+            evaluate(ema.module, val_loader, info, precision, cfg.trainer.channels_last) if ema else None
+        )
         record = {
-            "epoch": epoch + 1, "step": step, "lr": lr, "train_loss": train_loss,
-            "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
+            "epoch": epoch + 1,
+            "step": step,
+            "lr": lr,
+            "train_loss": train_loss,
+            "val_top1": val["top1"],
+            "val_top5": val["top5"],
+            "val_loss": val["loss"],
             "epoch_s": time.perf_counter() - t_epoch,
         }
         if ema_val is not None:
-            record.update(ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"], ema_val_loss=ema_val["loss"])
+            record.update(
+                ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"], ema_val_loss=ema_val["loss"]
+            )
         history.append(record)
         is_best = val["top1"] > best_top1
         if is_best:
@@ -325,27 +369,45 @@ def train(cfg: DictConfig) -> Path:
                 save_checkpoint(state, run_dir / "best.pt")
             results = {
                 **{k: v for k, v in record.items() if k != "epoch_s"},
-                "best_top1": best_top1, "best_epoch": best_epoch,
-                "model": cfg.model.name, "params": count.params, "macs": count.macs,
-                "img_size": cfg.data.img_size, "global_batch": global_batch, "world_size": info.world_size,
-                "train_s": sum(h["epoch_s"] for h in history), "run_dir": str(run_dir),
-                "checkpoint": str(run_dir / "last.pt"), "history": history,
+                "best_top1": best_top1,
+                "best_epoch": best_epoch,
+                "model": cfg.model.name,
+                "params": count.params,
+                "macs": count.macs,
+                "img_size": cfg.data.img_size,
+                "global_batch": global_batch,
+                "world_size": info.world_size,
+                "train_s": sum(h["epoch_s"] for h in history),
+                "run_dir": str(run_dir),
+                "checkpoint": str(run_dir / "last.pt"),
+                "history": history,
             }
             atomic_write_bytes(run_dir / "results.json", json.dumps(results, indent=2).encode())
             plot_curves(history, run_dir / "curves.png")
-            run.log({"epoch": epoch + 1, "train/epoch_loss": train_loss}
-                    | {f"val/{k[len('val_'):]}": v for k, v in record.items() if k.startswith("val_")}
-                    | {f"val/ema_{k[len('ema_val_'):]}": v for k, v in record.items() if k.startswith("ema_val_")},
-                    step=step)
+            run.log(
+                {"epoch": epoch + 1, "train/epoch_loss": train_loss}
+                | {f"val/{k[len('val_') :]}": v for k, v in record.items() if k.startswith("val_")}
+                | {
+                    f"val/ema_{k[len('ema_val_') :]}": v
+                    for k, v in record.items()
+                    if k.startswith("ema_val_")
+                },
+                step=step,
+            )
             ema_msg = f" | EMA top1 {ema_val['top1']:6.2f} loss {ema_val['loss']:.4f}" if ema_val else ""
-            log(f"epoch {epoch + 1:3d}/{num_epochs} | train loss {train_loss:.4f} | val top1 {val['top1']:6.2f} "
-                f"top5 {val['top5']:6.2f} loss {val['loss']:.4f}{ema_msg} | lr {lr:.2e} | "
-                f"{record['epoch_s']:.1f} s")
+            log(
+                f"epoch {epoch + 1:3d}/{num_epochs} | train loss {train_loss:.4f} | "
+                f"val top1 {val['top1']:6.2f} top5 {val['top5']:6.2f} loss {val['loss']:.4f}{ema_msg} | "
+                f"lr {lr:.2e} | "
+                f"{record['epoch_s']:.1f} s"
+            )
 
     # ------------------------------------------------------------------------------------------ finish
     if master:
-        log(f"done: val top1 {results['val_top1']:.2f} (best {best_top1:.2f} at epoch {best_epoch}), "
-            f"{results['train_s']:.0f} s of training")
+        log(
+            f"done: val top1 {results['val_top1']:.2f} (best {best_top1:.2f} at epoch {best_epoch}), "
+            f"{results['train_s']:.0f} s of training"
+        )
         run.finish()
     destroy(info)
     log(run_dir)

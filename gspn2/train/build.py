@@ -49,8 +49,9 @@ def build_optimizer(optim_cfg, model: nn.Module, lr_scale: float) -> torch.optim
     )
 
 
-def build_scheduler(sched_cfg, optimizer: torch.optim.Optimizer, epochs: int, lr_scale: float,
-                    updates_per_epoch: int):
+def build_scheduler(
+    sched_cfg, optimizer: torch.optim.Optimizer, epochs: int, lr_scale: float, updates_per_epoch: int
+):
     """timm scheduler (per optimizer step unless ``step_on_epochs``); returns ``(scheduler, num_epochs)``
     with ``num_epochs`` including any cooldown."""
     return create_scheduler_v2(

@@ -100,8 +100,9 @@ def _describe(keys: list[str], limit: int = 5) -> str:
     return f"{len(keys)} ({shown}{', ...' if len(keys) > limit else ''})"
 
 
-def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
-                     what: str = "model") -> None:
+def load_model_state(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike, what: str = "model"
+) -> None:
     """Strictly load ``state_dict`` into ``model``; a mismatch raises naming the checkpoint and the keys."""
     own = model.state_dict()
     missing = [k for k in own if k not in state_dict]

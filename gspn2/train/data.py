@@ -160,11 +160,14 @@ def check_classes(train_set: Dataset, val_set: Dataset, num_classes: int) -> Non
     if train_set.classes != val_set.classes:
         only_train = sorted(set(train_set.classes) - set(val_set.classes))[:5]
         only_val = sorted(set(val_set.classes) - set(train_set.classes))[:5]
-        raise DataError(f"{train_root!r} and {val_root!r} have different class folders "
-                        f"(only in train: {only_train}, only in val: {only_val})")
+        raise DataError(
+            f"{train_root!r} and {val_root!r} have different class folders "
+            f"(only in train: {only_train}, only in val: {only_val})"
+        )
     if len(train_set.classes) != num_classes:
-        raise DataError(f"{train_root!r} has {len(train_set.classes)} class folders but "
-                        f"data.num_classes={num_classes}")
+        raise DataError(
+            f"{train_root!r} has {len(train_set.classes)} class folders but data.num_classes={num_classes}"
+        )
 
 
 def _folder_of(dataset: Dataset) -> str:
@@ -181,8 +184,9 @@ class ShardedBatchSampler(Sampler[int]):
     global batches at the end of an epoch are dropped.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, world_size: int, rank: int, seed: int,
-                 shuffle: bool = True):
+    def __init__(
+        self, num_samples: int, batch_size: int, world_size: int, rank: int, seed: int, shuffle: bool = True
+    ):
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.world_size = world_size
@@ -212,11 +216,18 @@ class ShardedBatchSampler(Sampler[int]):
         global_batch = self.batch_size * self.world_size
         for step in range(self.num_steps):
             start = step * global_batch + self.rank * self.batch_size
-            yield from order[start:start + self.batch_size].tolist()
+            yield from order[start : start + self.batch_size].tolist()
 
 
-def build_train_loader(dataset: Dataset, batch_size: int, world_size: int, rank: int, seed: int,
-                       num_workers: int, pin_memory: bool) -> DataLoader:
+def build_train_loader(
+    dataset: Dataset,
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
     sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed)
     return DataLoader(
         dataset,
@@ -230,8 +241,9 @@ def build_train_loader(dataset: Dataset, batch_size: int, world_size: int, rank:
     )
 
 
-def build_eval_loader(dataset: Dataset, batch_size: int, world_size: int, rank: int, num_workers: int,
-                      pin_memory: bool) -> DataLoader:
+def build_eval_loader(
+    dataset: Dataset, batch_size: int, world_size: int, rank: int, num_workers: int, pin_memory: bool
+) -> DataLoader:
     """Rank ``r`` evaluates samples ``r, r + N, ...``: no padding, so sums over ranks are exact."""
     shard = Subset(dataset, list(range(rank, len(dataset), world_size)))
     return DataLoader(

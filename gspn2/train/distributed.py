@@ -17,8 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "configure_torch", "broadcast_object", "all_gather_object",
-           "all_reduce_sum", "barrier", "destroy"]
+__all__ = [
+    "DistInfo",
+    "init_distributed",
+    "configure_torch",
+    "broadcast_object",
+    "all_gather_object",
+    "all_reduce_sum",
+    "barrier",
+    "destroy",
+]
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ def autocast(device: torch.device, precision: str):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, info: DistInfo, precision: str = "fp32",
-             channels_last: bool = False) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, loader, info: DistInfo, precision: str = "fp32", channels_last: bool = False
+) -> dict[str, float]:
     """Top-1, top-5 (percent), mean cross-entropy and forward throughput over this rank's shard,
     summed over all ranks (each sample is counted exactly once).
 
@@ -57,9 +58,14 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, precision: str = "f
         top1, top5 = accuracy(logits, targets, topk=(1, min(5, logits.shape[1])))
         n = targets.shape[0]
         sums += torch.tensor(
-            [F.cross_entropy(logits, targets, reduction="sum").item(), round(top1.item() * n / 100.0),
-             round(top5.item() * n / 100.0), n],
-            dtype=torch.float64, device=device,
+            [
+                F.cross_entropy(logits, targets, reduction="sum").item(),
+                round(top1.item() * n / 100.0),
+                round(top5.item() * n / 100.0),
+                n,
+            ],
+            dtype=torch.float64,
+            device=device,
         )
     all_reduce_sum(sums, info)
     loss, c1, c5, n = sums.tolist()

@@ -37,10 +37,17 @@ def short_run(tmp_path_factory, digits_root):
     Returns ``(completed_process, run_dir, results)``.
     """
     runs_root = tmp_path_factory.mktemp("runs")
-    proc = run_cli([
-        "train.py", f"data.root={digits_root}", f"runs_root={runs_root}",
-        "trainer.epochs=2", "data.train_subset=256", "data.val_subset=96", "data.batch_size=32",
-    ])
+    proc = run_cli(
+        [
+            "train.py",
+            f"data.root={digits_root}",
+            f"runs_root={runs_root}",
+            "trainer.epochs=2",
+            "data.train_subset=256",
+            "data.val_subset=96",
+            "data.batch_size=32",
+        ]
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = Path(last_line(proc.stdout))
     results = json.loads((run_dir / "results.json").read_text())

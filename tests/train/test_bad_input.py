@@ -36,8 +36,9 @@ def truncated_ckpt(short_run, tmp_path) -> Path:
 def test_missing_data_root(train_script, finished_run, tmp_path):
     before = _snapshot(finished_run)
     missing = tmp_path / "no" / "such" / "imagenet"
-    cfg = compose_cfg([*TINY, f"data.root={missing}", "data.prepare=null", f"run_dir={finished_run}",
-                       "trainer.epochs=3"])
+    cfg = compose_cfg(
+        [*TINY, f"data.root={missing}", "data.prepare=null", f"run_dir={finished_run}", "trainer.epochs=3"]
+    )
     with pytest.raises(DataError, match=str(missing)):
         train_script.train(cfg)
     assert _snapshot(finished_run) == before
@@ -55,8 +56,16 @@ def test_root_without_train_and_val(train_script, tmp_path):
 def test_checkpoint_of_another_model(train_script, short_run, digits_root, tmp_path):
     ckpt = short_run[1] / "last.pt"
     before = ckpt.read_bytes()
-    cfg = compose_cfg([*TINY, f"data.root={digits_root}", "model=timm", "model.name=resnet10t",
-                       f"resume={ckpt}", f"run_dir={tmp_path / 'run'}"])
+    cfg = compose_cfg(
+        [
+            *TINY,
+            f"data.root={digits_root}",
+            "model=timm",
+            "model.name=resnet10t",
+            f"resume={ckpt}",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+    )
     with pytest.raises(CheckpointError, match=rf"{ckpt}.*do not fit.*(missing|unexpected) keys"):
         train_script.train(cfg)
     assert ckpt.read_bytes() == before
@@ -65,16 +74,27 @@ def test_checkpoint_of_another_model(train_script, short_run, digits_root, tmp_p
 
 def test_checkpoint_of_another_width(train_script, short_run, digits_root, tmp_path):
     ckpt = short_run[1] / "last.pt"
-    cfg = compose_cfg([*TINY, f"data.root={digits_root}", "model.args.dims=[16,32,64,96]", f"resume={ckpt}",
-                       f"run_dir={tmp_path / 'run'}"])
+    cfg = compose_cfg(
+        [
+            *TINY,
+            f"data.root={digits_root}",
+            "model.args.dims=[16,32,64,96]",
+            f"resume={ckpt}",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+    )
     with pytest.raises(CheckpointError, match="shape mismatches"):
         train_script.train(cfg)
 
 
 @pytest.mark.parametrize("corruption", ["truncated", "garbage", "empty", "not_a_checkpoint"])
 def test_corrupt_checkpoint_is_named(corruption, truncated_ckpt, tmp_path):
-    path = {"truncated": truncated_ckpt, "garbage": tmp_path / "garbage.pt", "empty": tmp_path / "empty.pt",
-            "not_a_checkpoint": tmp_path / "weights.pt"}[corruption]
+    path = {
+        "truncated": truncated_ckpt,
+        "garbage": tmp_path / "garbage.pt",
+        "empty": tmp_path / "empty.pt",
+        "not_a_checkpoint": tmp_path / "weights.pt",
+    }[corruption]
     if corruption == "garbage":
         path.write_bytes(bytes(range(256)) * 50)
     elif corruption == "empty":
@@ -85,8 +105,9 @@ def test_corrupt_checkpoint_is_named(corruption, truncated_ckpt, tmp_path):
         load_checkpoint(path)
 
 
-def test_corrupt_last_checkpoint_in_run_dir_is_not_overwritten(train_script, finished_run, digits_root,
-                                                               truncated_ckpt):
+def test_corrupt_last_checkpoint_in_run_dir_is_not_overwritten(
+    train_script, finished_run, digits_root, truncated_ckpt
+):
     shutil.copyfile(truncated_ckpt, finished_run / "last.pt")
     before = _snapshot(finished_run)
     cfg = compose_cfg([*TINY, f"data.root={digits_root}", f"run_dir={finished_run}", "trainer.epochs=3"])
@@ -98,7 +119,9 @@ def test_corrupt_last_checkpoint_in_run_dir_is_not_overwritten(train_script, fin
 def test_eval_of_truncated_or_missing_checkpoint(eval_script, truncated_ckpt, tmp_path):
     out = tmp_path / "eval.json"
     for ckpt, message in ((truncated_ckpt, "truncated or corrupt"), (tmp_path / "nope.pt", "does not exist")):
-        cfg = compose_cfg([f"checkpoint={ckpt}", f"out={out}"], config_name="eval", config_dir=CONFIGS / "eval")
+        cfg = compose_cfg(
+            [f"checkpoint={ckpt}", f"out={out}"], config_name="eval", config_dir=CONFIGS / "eval"
+        )
         with pytest.raises(CheckpointError, match=rf"{ckpt}.*{message}"):
             eval_script.run_eval(cfg)
     assert not out.exists()
@@ -110,12 +133,15 @@ def test_eval_needs_a_model(eval_script):
         eval_script.run_eval(cfg)
 
 
+@pytest.mark.slow
 def test_cli_unknown_key_and_missing_data(finished_run, tmp_path):
     """What a user sees: a non-zero exit and the offending key or path on stderr; files untouched."""
     before = _snapshot(finished_run)
     typo = run_cli(["train.py", "trainer.epochz=3", f"run_dir={finished_run}"])
     assert typo.returncode != 0 and "epochz" in typo.stderr
     missing = tmp_path / "imagenet"
-    nodata = run_cli(["train.py", "experiment=in1k_gspn2_tiny", f"data.root={missing}", f"run_dir={finished_run}"])
+    nodata = run_cli(
+        ["train.py", "experiment=in1k_gspn2_tiny", f"data.root={missing}", f"run_dir={finished_run}"]
+    )
     assert nodata.returncode != 0 and str(missing) in nodata.stderr
     assert _snapshot(finished_run) == before

@@ -12,9 +12,30 @@ from tests.train._helpers import run_cli
 @pytest.mark.slow
 def test_bench_ddp_two_processes_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_cli(["--standalone", "--nproc_per_node=2", "scripts/bench_ddp.py", "--device", "cpu",
-                    "--model", "gspn2_micro", "--img-size", "32", "--batch-size", "4", "--steps", "2",
-                    "--warmup", "1", "--precision", "fp32", "--json", str(out)], torchrun=True)
+    proc = run_cli(
+        [
+            "--standalone",
+            "--nproc_per_node=2",
+            "scripts/bench_ddp.py",
+            "--device",
+            "cpu",
+            "--model",
+            "gspn2_micro",
+            "--img-size",
+            "32",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--precision",
+            "fp32",
+            "--json",
+            str(out),
+        ],
+        torchrun=True,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "img/s per GPU" in proc.stdout
     result = json.loads(out.read_text())

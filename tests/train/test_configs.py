@@ -9,6 +9,7 @@ import timm
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 from PIL import Image
 
@@ -23,11 +24,20 @@ GROUPS = ["model", "data", "aug", "optim", "sched", "ema", "trainer", "logger"]
 GROUP_OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml"))]
 
 
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(cfg) -> torch.nn.Module:
+    """``build_model`` of a config, built once per architecture (the ImageNet sizes take seconds)."""
+    key = OmegaConf.to_yaml(cfg.model) + f"num_classes: {cfg.data.num_classes}"
+    if key not in _MODELS:
+        _MODELS[key] = build_model(cfg.model, cfg.data.num_classes)
+    return _MODELS[key]
+
+
 def _build_all(cfg, updates_per_epoch: int = 10):
-    """Instantiate model (on the meta device: no memory, no init cost), optimizer, schedule, mixup/loss
-    and both transforms, exactly as train.py does."""
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.data.num_classes)
+    """Instantiate model, optimizer, schedule, mixup/loss and both transforms, exactly as train.py does."""
+    model = _model(cfg)
     optimizer = build_optimizer(cfg.optim, model, lr_scale=2.0)
     scheduler, num_epochs = build_scheduler(cfg.sched, optimizer, cfg.trainer.epochs, 2.0, updates_per_epoch)
     mixup, loss_fn = build_mixup_and_loss(cfg.aug, cfg.data.num_classes)
@@ -62,19 +72,35 @@ def test_experiment_composes_and_instantiates(experiment):
             assert id(p) not in decayed, name
 
 
-@pytest.mark.parametrize("size,lr,drop_path", [("tiny", 5e-4, 0.2), ("small", 3e-4, 0.4), ("base", 5e-4, 0.5)])
+@pytest.mark.parametrize(
+    "size,lr,drop_path", [("tiny", 5e-4, 0.2), ("small", 3e-4, 0.4), ("base", 5e-4, 0.5)]
+)
 def test_imagenet_recipe(size, lr, drop_path):
     """SPEC section 3, as the configs spell it."""
     cfg = compose_cfg([f"experiment=in1k_gspn2_{size}", "data.root=/x"])
     assert cfg.model.name == f"gspn2_{size}" and cfg.model.drop_path_rate == drop_path
     assert (cfg.trainer.epochs, cfg.sched.warmup_epochs, cfg.sched.name, cfg.sched.step_on_epochs) == (
-        300, 20, "cosine", False)
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_base_size, cfg.optim.weight_decay) == ("adamw", lr, 512, 0.05)
+        300,
+        20,
+        "cosine",
+        False,
+    )
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_base_size, cfg.optim.weight_decay) == (
+        "adamw",
+        lr,
+        512,
+        0.05,
+    )
     assert list(cfg.optim.args.betas) == [0.9, 0.999] and cfg.optim.clip_grad == 5.0
     assert (cfg.sched.min_lr, cfg.sched.warmup_lr) == (5e-6, 5e-7)
     assert (cfg.data.img_size, cfg.data.crop_pct, cfg.data.interpolation) == (224, 0.875, "bicubic")
     aug = cfg.aug
-    assert (aug.color_jitter, aug.auto_augment, aug.reprob, aug.hflip) == (0.4, "rand-m9-mstd0.5-inc1", 0.25, 0.5)
+    assert (aug.color_jitter, aug.auto_augment, aug.reprob, aug.hflip) == (
+        0.4,
+        "rand-m9-mstd0.5-inc1",
+        0.25,
+        0.5,
+    )
     assert (aug.mixup, aug.cutmix, aug.mixup_switch_prob, aug.smoothing) == (0.8, 1.0, 0.5, 0.1)
     assert (cfg.ema.enabled, cfg.ema.decay, cfg.ema.mesa_weight) == (True, 0.9999, 0.0)
     assert cfg.trainer.precision == "bf16"
@@ -83,6 +109,8 @@ def test_imagenet_recipe(size, lr, drop_path):
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_group_option_composes(group, option):
     overrides = [f"{group}={option}", "data.root=/nonexistent"]
+    if group == "model":  # an ImageNet-sized model: the build is shared with the experiment tests
+        overrides.append("data=imagenet")
     if (group, option) == ("model", "timm"):
         overrides.append("model.name=resnet10t")
     cfg = compose_cfg(overrides)
@@ -94,18 +122,27 @@ def test_group_option_composes(group, option):
 def test_model_config_spells_out_the_registered_variant(variant):
     """configs/model/<variant>.yaml must build the architecture timm registers under that name."""
     cfg = compose_cfg([f"model={variant}"])
-    assert {"depths", "dims", "stage_chunks", "proxy_dim", "affinity_groups", "mixer_ratio",
-            "mlp_ratio"} <= set(cfg.model.args)
-    with torch.device("meta"):
-        from_config = build_model(cfg.model, num_classes=1000)
-        registered = timm.create_model(variant, num_classes=1000)
+    assert {
+        "depths",
+        "dims",
+        "stage_chunks",
+        "proxy_dim",
+        "affinity_groups",
+        "mixer_ratio",
+        "mlp_ratio",
+    } <= set(cfg.model.args)
+    from_config = _model(compose_cfg([f"model={variant}", "data=imagenet", "data.root=/nonexistent"]))
+    registered = timm.create_model(variant, num_classes=1000)
     shapes = {k: tuple(v.shape) for k, v in from_config.state_dict().items()}
     assert shapes == {k: tuple(v.shape) for k, v in registered.state_dict().items()}
 
 
 def test_eval_config_composes():
-    cfg = compose_cfg(["checkpoint=/x.pt", "ema=true", "img_size=48", "data.root=/d"], config_name="eval",
-                      config_dir=CONFIGS / "eval")
+    cfg = compose_cfg(
+        ["checkpoint=/x.pt", "ema=true", "img_size=48", "data.root=/d"],
+        config_name="eval",
+        config_dir=CONFIGS / "eval",
+    )
     validate(cfg, EvalConfig)
     assert (cfg.checkpoint, cfg.ema, cfg.img_size, cfg.data.root) == ("/x.pt", True, 48, "/d")
 
@@ -119,12 +156,15 @@ def test_slurm_launcher_config():
     assert cfg.hydra.job.chdir is False
 
 
-@pytest.mark.parametrize("override,key", [
-    ("trainer.epochz=3", "epochz"),        # misspelt key
-    ("+trainer.epochz=3", "epochz"),       # forced in with +, caught by the schema check
-    ("++model.namee=resnet18", "namee"),
-    ("optimm.lr=1", "optimm"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("trainer.epochz=3", "epochz"),  # misspelt key
+        ("+trainer.epochz=3", "epochz"),  # forced in with +, caught by the schema check
+        ("++model.namee=resnet18", "namee"),
+        ("optimm.lr=1", "optimm"),
+    ],
+)
 def test_unknown_key_is_an_error(override, key):
     with pytest.raises((ConfigCompositionException, ConfigKeyError), match=key):
         validate(compose_cfg([override]), TrainConfig)

@@ -15,19 +15,41 @@ from tests.train._helpers import TINY, compose_cfg, last_line, run_cli
 # Deterministic everywhere: no random augmentation, mixup, drop-path or dropout; SGD (unlike Adam's first
 # steps, its update is proportional to the gradient, so a wrongly scaled gradient average would show);
 # no warm-up, so the first steps move the weights. The data order does not depend on the process count.
-COMMON = [*TINY, "aug=none", "ema=none", "optim=sgd", "optim.lr=2.0", "sched.warmup_epochs=0",
-          "model.drop_path_rate=0.0", "model.drop_rate=0.0", "trainer.epochs=1", "trainer.limit_train_steps=2",
-          "data.val_subset=51"]  # odd: the two ranks evaluate 26 and 25 images
+COMMON = [
+    *TINY,
+    "aug=none",
+    "ema=none",
+    "optim=sgd",
+    "optim.lr=2.0",
+    "sched.warmup_epochs=0",
+    "model.drop_path_rate=0.0",
+    "model.drop_rate=0.0",
+    "trainer.epochs=1",
+    "trainer.limit_train_steps=2",
+    "data.val_subset=51",
+]  # odd: the two ranks evaluate 26 and 25 images
 
 
 @pytest.mark.slow
 def test_two_process_ddp_matches_one_process_on_the_global_batch(digits_root, tmp_path):
     single_root, ddp_root = tmp_path / "single", tmp_path / "ddp"
-    single = run_cli(["train.py", *COMMON, f"data.root={digits_root}", f"runs_root={single_root}",
-                      "data.batch_size=16"])
+    single = run_cli(
+        ["train.py", *COMMON, f"data.root={digits_root}", f"runs_root={single_root}", "data.batch_size=16"]
+    )
     assert single.returncode == 0, single.stdout[-2000:] + single.stderr[-3000:]
-    ddp = run_cli(["--standalone", "--nproc_per_node=2", "train.py", *COMMON, f"data.root={digits_root}",
-                   f"runs_root={ddp_root}", "data.batch_size=8", "trainer.dist_backend=gloo"], torchrun=True)
+    ddp = run_cli(
+        [
+            "--standalone",
+            "--nproc_per_node=2",
+            "train.py",
+            *COMMON,
+            f"data.root={digits_root}",
+            f"runs_root={ddp_root}",
+            "data.batch_size=8",
+            "trainer.dist_backend=gloo",
+        ],
+        torchrun=True,
+    )
     assert ddp.returncode == 0, ddp.stdout[-2000:] + ddp.stderr[-3000:]
 
     # rank 0 chose the run directory and every rank used it: exactly one was created

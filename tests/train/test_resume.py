@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from gspn2.train.checkpoint import load_checkpoint
@@ -17,8 +18,15 @@ STEPS_PER_EPOCH = 128 // 32
 def _overrides(digits_root, run_dir, *extra):
     # random crops (aug=digits) in a DataLoader worker, drop-path and EMA in the main process: a resume
     # that lost any random stream or any state would not reproduce the uninterrupted run
-    return [*TINY, f"data.root={digits_root}", f"run_dir={run_dir}", f"trainer.epochs={EPOCHS}",
-            "data.num_workers=1", "model.drop_path_rate=0.1", *extra]
+    return [
+        *TINY,
+        f"data.root={digits_root}",
+        f"run_dir={run_dir}",
+        f"trainer.epochs={EPOCHS}",
+        "data.num_workers=1",
+        "model.drop_path_rate=0.1",
+        *extra,
+    ]
 
 
 def _history(run_dir):
@@ -35,8 +43,10 @@ def _assert_same_weights(a, b):
     assert sa["step"] == sb["step"] and sa["epoch"] == sb["epoch"]
 
 
-def test_crash_then_rerun_and_explicit_resume_reproduce_the_uninterrupted_run(digits_root, train_script,
-                                                                                tmp_path):
+@pytest.mark.slow
+def test_crash_then_rerun_and_explicit_resume_reproduce_the_uninterrupted_run(
+    digits_root, train_script, tmp_path
+):
     full = tmp_path / "full"
     train_script.train(compose_cfg(_overrides(digits_root, full)))
 
