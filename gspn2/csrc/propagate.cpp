@@ -9,20 +9,28 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 
 #include "propagate.h"
 
-#define CHECK_CUDA(t) TORCH_CHECK((t).is_cuda(), "gspn2: `" #t "` must be a CUDA tensor, got ", (t).device())
-#define CHECK_SAME_DEVICE(t, ref)                                                                      \
-  TORCH_CHECK((t).device() == (ref).device(), "gspn2: `" #t "` must be on ", (ref).device(), " like `" \
-              #ref "`, got ", (t).device())
-#define CHECK_DTYPE(t, dt) \
-  TORCH_CHECK((t).scalar_type() == (dt), "gspn2: `" #t "` must have dtype ", (dt), ", got ", (t).scalar_type())
-#define CHECK_SHAPE(t, ...)                                                                       \
-  TORCH_CHECK((t).sizes() == at::IntArrayRef({__VA_ARGS__}), "gspn2: `" #t "` must have shape (" \
-              #__VA_ARGS__ ") = ", at::IntArrayRef({__VA_ARGS__}), ", got ", (t).sizes())
+// Input errors raise ValueError naming the tensor (std::invalid_argument through pybind11), without
+// building a c10::Error (its C++ backtrace capture is slow, and crashed in one sandboxed environment).
+#define GSPN2_CHECK(cond, ...)                                              \
+  do {                                                                      \
+    if (!(cond)) throw std::invalid_argument(c10::str("gspn2: ", __VA_ARGS__)); \
+  } while (0)
+#define CHECK_CUDA(t) GSPN2_CHECK((t).is_cuda(), "`" #t "` must be a CUDA tensor, got ", (t).device())
+#define CHECK_SAME_DEVICE(t, ref) \
+  GSPN2_CHECK((t).device() == (ref).device(), "`" #t "` must be on ", (ref).device(), " like `" #ref "`, got ", (t).device())
+#define CHECK_DTYPE(t, dt) GSPN2_CHECK((t).scalar_type() == (dt), "`" #t "` must have dtype ", (dt), ", got ", (t).scalar_type())
+#define CHECK_SHAPE(t, ...)                                                                                 \
+  do {                                                                                                      \
+    const std::vector<int64_t> expected_{__VA_ARGS__};                                                      \
+    GSPN2_CHECK((t).sizes() == at::IntArrayRef(expected_), "`" #t "` must have shape (" #__VA_ARGS__ ") = ", \
+                at::IntArrayRef(expected_), ", got ", (t).sizes());                                        \
+  } while (0)
 
 namespace gspn2 {
 namespace {
@@ -32,7 +40,7 @@ ScalarType to_scalar_type(at::ScalarType t) {
     case at::kFloat: return ScalarType::Float;
     case at::kHalf: return ScalarType::Half;
     case at::kBFloat16: return ScalarType::BFloat16;
-    default: TORCH_CHECK(false, "gspn2: the CUDA kernel supports float32, float16 and bfloat16, got ", t);
+    default: GSPN2_CHECK(false, "the CUDA kernel supports float32, float16 and bfloat16, got ", t);
   }
   return ScalarType::Float;
 }
@@ -100,9 +108,9 @@ void make_plan(PropagateParams& p, bool backward) {
     }
   }
   }
-  TORCH_CHECK(found, "gspn2: a line of ", std::max(p.H, p.W),
+  GSPN2_CHECK(found, "a line of ", std::max(p.H, p.W),
               " pixels does not fit in one block's shared memory; the CUDA kernel supports lines of up to "
-              "a few thousand pixels (GSPN2_BACKEND=reference runs any size)");
+              "about 4096 pixels (GSPN2_BACKEND=reference runs any size)");
   p = best;
   fill_copy_sets(p, backward);
   for (int o = 0; o < 2; ++o) {  // profiling ablations (GSPN2_ABLATE), results are wrong
@@ -158,17 +166,17 @@ void check_inputs(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& 
   to_scalar_type(x.scalar_type());
   CHECK_DTYPE(lam, x.scalar_type());
   CHECK_DTYPE(gates, x.scalar_type());
-  TORCH_CHECK(x.dim() == 4, "gspn2: `x` must have shape (B, C, H, W), got ", x.sizes());
+  GSPN2_CHECK(x.dim() == 4, "`x` must have shape (B, C, H, W), got ", x.sizes());
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-  TORCH_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1, "gspn2: `x` must have no empty dimension, got ", x.sizes());
+  GSPN2_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1, "`x` must have no empty dimension, got ", x.sizes());
   CHECK_SHAPE(lam, B, 4, C, H, W);
-  TORCH_CHECK(gates.dim() == 6, "gspn2: `gates` must have shape (B, 4, 3, K, H, W), got ", gates.sizes());
+  GSPN2_CHECK(gates.dim() == 6, "`gates` must have shape (B, 4, 3, K, H, W), got ", gates.sizes());
   const int64_t K = gates.size(3);
-  TORCH_CHECK(K >= 1 && C % K == 0, "gspn2: `gates` has K = ", K, " affinity groups, which must divide C = ", C);
+  GSPN2_CHECK(K >= 1 && C % K == 0, "`gates` has K = ", K, " affinity groups, which must divide C = ", C);
   CHECK_SHAPE(gates, B, 4, 3, K, H, W);
-  TORCH_CHECK(H * W < (int64_t(1) << 31), "gspn2: H * W must be below 2^31, got ", H, " x ", W);
-  TORCH_CHECK(4 * B * K * C < (int64_t(1) << 31), "gspn2: too many blocks for one launch");
-  TORCH_CHECK(!chunk.has_value() || *chunk >= 1, "gspn2: `chunk` must be None or >= 1, got ", *chunk);
+  GSPN2_CHECK(H * W < (int64_t(1) << 31), "H * W must be below 2^31, got ", H, " x ", W);
+  GSPN2_CHECK(4 * B * C < (int64_t(1) << 31), "too many blocks for one launch: B * C = ", B * C);
+  GSPN2_CHECK(!chunk.has_value() || *chunk >= 1, "`chunk` must be None or >= 1, got ", chunk.value_or(0));
 }
 
 at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const at::Tensor& gates_,

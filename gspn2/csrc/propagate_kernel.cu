@@ -146,47 +146,41 @@ struct PlaneIndex {
 // Tile copies between global memory and the shared-memory tile planes (CopySet: propagate.h).
 // ------------------------------------------------------------------------------------------------
 
-struct Loc {
-  int plane;
-  int goff;  // element offset in the global (H, W) plane
-  int r;     // tile row (scan step) of the first element
-  int q;     // line position of the first element
-  bool valid;
-};
-
+// The copy loops run plane by plane, so a job only decodes its position inside the plane. Horizontal
+// scans: unit u = (line position q, access b along W), E elements landing transposed in rows
+// b*E .. b*E+E-1 of column q. Vertical scans: unit u = (tile row r, access b along the line).
 template <bool HORIZ>
-__device__ __forceinline__ Loc locate(const CopySet& s, int row0, int j, int W, int S) {
-  Loc l;
-  l.plane = s.units.div(j);
-  const int u = j - l.plane * int(s.units.d);
+__device__ __forceinline__ void unit_pos(const CopySet& s, int u, int W, int pitch, int& r, int& q, int& goff_rel) {
   const int a = s.inner.div(u);
   const int b = u - a * int(s.inner.d);
-  if (HORIZ) {  // a: line position (image row), b: access along the scan axis W
-    l.r = b * s.E;
-    l.q = a;
-    const int idx = row0 + l.r;
-    l.valid = idx >= 0 && idx < S;
-    l.goff = a * W + idx;
-  } else {  // a: tile row, b: access along the line W
-    l.r = a;
-    l.q = b * s.E;
-    const int idx = row0 + a;
-    l.valid = idx >= 0 && idx < S;
-    l.goff = idx * W + l.q;
+  if (HORIZ) {
+    q = a;
+    r = b * s.E;
+    goff_rel = a * W + r;  // plus the tile's first image index
+  } else {
+    r = a;
+    q = b * s.E;
+    goff_rel = a * W + q;  // plus (first image index) * W
   }
-  return l;
 }
 
-// Issue the copies of one tile (rows row0 .. of every plane of the set) into shared memory.
+// Issue the copies of one tile (image indices row0 .. row0 + rows - 1 of every plane) into shared memory.
 template <typename Bits, bool HORIZ, typename GPtr, typename SPtr>
 __device__ __forceinline__ void load_tile(const CopySet& s, int row0, int tid, int nta, int W, int S, int pitch,
                                           GPtr gptr, SPtr sptr) {
   const int bytes = s.E * int(sizeof(Bits));
-  for (int j = tid; j < s.njobs; j += nta) {
-    const Loc l = locate<HORIZ>(s, row0, j, W, S);
-    if (l.valid) {
-      const int so = HORIZ ? PlaneIndex<Bits, HORIZ>::at(l.r, l.q, pitch) : l.r * pitch + l.q;
-      copy_async(sptr(l.plane) + so, gptr(l.plane) + l.goff, bytes);
+  const int units = int(s.units.d);
+  const int64_t gshift = HORIZ ? row0 : int64_t(row0) * W;
+  for (int pl = 0; pl < s.nplanes; ++pl) {
+    const Bits* const g = gptr(pl) + gshift;
+    Bits* const sp = sptr(pl);
+    for (int u = tid; u < units; u += nta) {
+      int r, q, go;
+      unit_pos<HORIZ>(s, u, W, pitch, r, q, go);
+      const int idx = row0 + r;
+      if (idx < 0 || idx >= S) continue;
+      const int so = HORIZ ? PlaneIndex<Bits, HORIZ>::at(r, q, pitch) : r * pitch + q;
+      copy_async(sp + so, g + go, bytes);
     }
   }
 }
@@ -196,20 +190,27 @@ template <typename Bits, bool HORIZ, typename GPtr, typename SPtr>
 __device__ __forceinline__ void store_tile(const CopySet& s, int row0, int tid, int nta, int W, int S, int pitch,
                                            GPtr gptr, SPtr sptr) {
   const int bytes = s.E * int(sizeof(Bits));
-  for (int j = tid; j < s.njobs; j += nta) {
-    const Loc l = locate<HORIZ>(s, row0, j, W, S);
-    if (!l.valid) continue;
-    const Bits* sp = sptr(l.plane);
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (HORIZ) {
+  const int units = int(s.units.d);
+  const int64_t gshift = HORIZ ? row0 : int64_t(row0) * W;
+  for (int pl = 0; pl < s.nplanes; ++pl) {
+    Bits* const g = gptr(pl) + gshift;
+    const Bits* const sp = sptr(pl);
+    for (int u = tid; u < units; u += nta) {
+      int r, q, go;
+      unit_pos<HORIZ>(s, u, W, pitch, r, q, go);
+      const int idx = row0 + r;
+      if (idx < 0 || idx >= S) continue;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (HORIZ) {
 #pragma unroll
-      for (int e = 0; e < int(16 / sizeof(Bits)); ++e) {
-        if (e < s.E) pack<Bits>(v, e, sp[PlaneIndex<Bits, HORIZ>::at(l.r + e, l.q, pitch)]);
+        for (int e = 0; e < int(16 / sizeof(Bits)); ++e) {
+          if (e < s.E) pack<Bits>(v, e, sp[PlaneIndex<Bits, HORIZ>::at(r + e, q, pitch)]);
+        }
+      } else {
+        v = lds_chunk(sp + r * pitch + q, bytes);
       }
-    } else {
-      v = lds_chunk(sp + l.r * pitch + l.q, bytes);
+      stg_chunk(g + go, v, bytes);
     }
-    stg_chunk(gptr(l.plane) + l.goff, v, bytes);
   }
 }
 
@@ -230,7 +231,7 @@ __device__ __forceinline__ Gates normalise(float g0, float g1, float g2, int q, 
   r.a0 = q > 0 ? r.s0 : 0.f;
   r.a2 = q < L - 1 ? r.s2 : 0.f;
   r.total = (r.a0 + r.s1) + r.a2;
-  r.inv = 1.f / fmaxf(r.total, kNormEps);
+  r.inv = __frcp_rn(fmaxf(r.total, kNormEps));
   return r;
 }
 
