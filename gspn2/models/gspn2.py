@@ -363,7 +363,9 @@ class GSPN2(nn.Module):
 
         # Stochastic depth grows linearly over all blocks (timm's calculate_drop_path_rates, not in
         # every timm >= 1.0.15 that we support).
-        dp_rates = [r.tolist() for r in torch.linspace(0, drop_path_rate, sum(depths)).split(list(depths))]
+        # device="cpu": the schedule is plain numbers, also when the model is built under torch.device("meta").
+        rates = torch.linspace(0, drop_path_rate, sum(depths), device="cpu")
+        dp_rates = [r.tolist() for r in rates.split(list(depths))]
         stages = []
         self.feature_info: List[Dict[str, Union[int, str]]] = []
         prev_chs, stride = dims[0], 4

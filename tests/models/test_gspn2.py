@@ -261,3 +261,10 @@ def test_bad_arguments_name_the_argument(kwargs, name):
 def test_big_models_no_resolution_state(name, default_models):
     """No module of T/S/B keeps a size-dependent buffer: only parameters and no buffers at all."""
     assert list(default_models[name].buffers()) == []
+
+
+def test_builds_on_meta_device():
+    """Deferred init (``torch.device("meta")``) must work, as for timm's own models."""
+    with torch.device("meta"):
+        model = timm.create_model("gspn2_tiny", num_classes=10)
+    assert all(p.device.type == "meta" for p in model.parameters())
