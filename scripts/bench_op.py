@@ -55,10 +55,10 @@ def median_ms(fn, graph: bool = True) -> float:
 
     if graph:
         try:
-            return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+            return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
         except Exception:  # noqa: BLE001  (e.g. an op that cannot be captured)
             pass
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
 def once_ms(fn) -> float:
@@ -117,7 +117,7 @@ def sdpa_ms(B, N, budget_flops=2e13):
 def bench_shape(label, B, C, H, W, K, dt, bw, with_ref, with_sdpa):
     dtype = DT[dt]
     x, lam, gates = inputs(B, C, H, W, K, dtype)
-    C_ = _cuda._C
+    C_ = _cuda
     h = C_.forward(x, lam, gates, None)
     grad_h = torch.randn_like(h)
     rec = dict(label=label, B=B, C=C, H=H, W=W, K=K, dtype=dt)

@@ -29,14 +29,14 @@ def main():
         x = torch.randn(B, C, H, W, device="cuda", dtype=dt)
         lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dt)
         g = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dt)
-        h = _cuda._C.forward(x, lam, g, None)
+        h = _cuda.forward(x, lam, g, None)
         gh = torch.randn_like(h)
-        _cuda._C.backward(gh, x, lam, g, h, None)
+        _cuda.backward(gh, x, lam, g, h, None)
         if mode == "time":
             from triton.testing import do_bench
 
-            f = do_bench(lambda: _cuda._C.forward(x, lam, g, None), return_mode="median")
-            b = do_bench(lambda: _cuda._C.backward(gh, x, lam, g, h, None), return_mode="median")
+            f = do_bench(lambda: _cuda.forward(x, lam, g, None), return_mode="median")
+            b = do_bench(lambda: _cuda.backward(gh, x, lam, g, h, None), return_mode="median")
             print(f"ablate={os.environ.get('GSPN2_ABLATE', '0')} {name}: fwd {f:.4f} ms  bwd {b:.4f} ms", flush=True)
     torch.cuda.synchronize()
 

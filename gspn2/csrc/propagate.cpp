@@ -74,39 +74,56 @@ int smem_bytes(const PropagateParams& p, bool backward) {
   return std::max(smem_layout(p, true, backward).total, smem_layout(p, false, backward).total);
 }
 
-// Choose the channel slice, the tile length and the block shape. Preference: tiles of at least 8
-// bytes per line position (so horizontal outputs go out in 8- or 16-byte pieces), then the widest
-// channel slice (the gates of a group are read by fewer blocks), then the longest tile.
+// Choose the channel slice, the tile length and the block shape. Longer tiles make the horizontal
+// scans' copies longer runs along W (up to 128 bytes per line position and plane: whole cache lines),
+// so the tile is the longest that fits the budget; then the widest channel slice (the gates of a
+// group are read by fewer blocks). Two buffers (loads overlap compute) unless only one fits.
 void make_plan(PropagateParams& p, bool backward) {
   const int esize = element_size(p.dtype);
-  const int tpref = 16 / esize;         // 16 bytes of each line position per plane and tile
+  const int tmax = 128 / esize;
   const int tmin = esize == 2 ? 2 : 1;  // one 4-byte copy
-  p.E = tpref;
+  p.E = 16 / esize;
   while (p.W % p.E != 0) p.E /= 2;
   const int max_threads = backward ? kMaxThreadsBackward : kMaxThreadsForward;
   p.nx = std::min(round_up(std::max(p.H, p.W), 32), max_threads);
+  int tcap = tmin;  // no longer than the longest scan, rounded up to a power of two
+  while (tcap < tmax && tcap < std::max(p.H, p.W)) tcap *= 2;
 
   bool found = false;
   PropagateParams best = p;
-  auto score = [&](const PropagateParams& q) { return std::make_tuple(std::min(q.T, tpref / 2), q.cs, q.T); };
-  for (int nbuf = 2; nbuf >= 1 && !found; --nbuf) {  // one buffer only when two do not fit
-  for (int cs = std::min(p.G, kMaxSlice); cs >= 1; --cs) {
-    if (p.G % cs != 0) continue;
-    for (int T = tpref; T >= tmin; T /= 2) {
-      PropagateParams q = p;
-      q.nbuf = nbuf;
-      q.cs = cs;
-      q.nsl = p.G / cs;
-      q.T = T;
-      q.ny = 1;  // extra staging threads for short lines with many planes
-      while (q.ny * 2 <= std::min(cs, 4) && q.nx * q.ny * 2 <= max_threads) q.ny *= 2;
-      q.smem_bytes = smem_bytes(q, backward);
-      if (q.smem_bytes > kSmemLimit) continue;
-      if (!found || score(q) > score(best)) best = q;
-      found = true;
-      break;  // the longest tile that fits for this slice width
+  int nsm = 132;  // enough blocks to fill the GPU come first (B = 1 with shared gates has few)
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
+  cudaGetLastError();  // no device here (planning only): keep the default
+  auto score = [&](const PropagateParams& q) {
+    const int64_t blocks = int64_t(4) * q.B * q.K * q.nsl;
+    return std::make_tuple(std::min<int64_t>(blocks, nsm), q.nbuf, std::min(q.T * esize, 16), q.cs, q.T);
+  };
+  // First pass: a footprint proportional to the block's threads, so that about 1024 threads' worth
+  // of blocks share a multiprocessor (short lines, many small blocks); then whatever fits.
+  const int threads = p.nx * std::min(std::min(p.G, 4), std::max(1, max_threads / p.nx));
+  for (const int budget : {std::max(16 * 1024, int(int64_t(kSmemLimit) * threads / 1024)), kSmemLimit}) {
+    for (int nbuf = 2; nbuf >= 1; --nbuf) {
+      for (int cs = std::min(p.G, kMaxSlice); cs >= 1; --cs) {
+        if (p.G % cs != 0) continue;
+        for (int T = tcap; T >= tmin; T /= 2) {
+          PropagateParams q = p;
+          q.nbuf = nbuf;
+          q.cs = cs;
+          q.nsl = p.G / cs;
+          q.T = T;
+          q.ny = 1;  // extra staging threads for short lines with many planes
+          while (q.ny * 2 <= std::min(cs, 4) && q.nx * q.ny * 2 <= max_threads) q.ny *= 2;
+          q.smem_bytes = smem_bytes(q, backward);
+          if (q.smem_bytes > budget) continue;
+          if (!found || score(q) > score(best)) best = q;
+          found = true;
+          break;  // the longest tile that fits for this slice width
+        }
+      }
     }
-  }
+    // Accept the small-footprint plan only if its tiles are at least 16 bytes per line position.
+    if (found && best.T * esize >= std::min(16, tcap * esize)) break;
   }
   GSPN2_CHECK(found, "a line of ", std::max(p.H, p.W),
               " pixels does not fit in one block's shared memory; the CUDA kernel supports lines of up to "
@@ -251,15 +268,18 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   return d;
 }
 
-// c10::Error -> RuntimeError with the message only (pybind11's default translation would format the
-// C++ backtrace, which is slow and has crashed in sandboxed environments).
+// The bound functions never throw: they return (result, error message) and gspn2/ops/_cuda.py raises
+// ValueError on a message. (C++ exceptions crossing into pybind11 crashed the interpreter on one
+// machine; keeping them inside this module sidesteps that.)
 template <typename Ret, typename... Args>
-auto translate_errors(Ret (*fn)(Args...)) {
-  return [fn](Args... args) -> Ret {
+auto no_throw(Ret (*fn)(Args...)) {
+  return [fn](Args... args) -> std::tuple<std::optional<Ret>, std::string> {
     try {
-      return fn(std::forward<Args>(args)...);
+      return {fn(std::forward<Args>(args)...), std::string()};
     } catch (const c10::Error& e) {
-      throw std::runtime_error(e.what_without_backtrace());
+      return {std::nullopt, e.what_without_backtrace()};
+    } catch (const std::exception& e) {
+      return {std::nullopt, e.what()};
     }
   };
 }
@@ -269,10 +289,10 @@ auto translate_errors(Ret (*fn)(Args...)) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gspn2 CUDA kernels (use gspn2.ops.gspn_propagate; this module is imported by gspn2.ops._cuda only)";
-  m.def("forward", gspn2::translate_errors(&gspn2::propagate_forward), "h = propagate(x, lam, gates, chunk)", py::arg("x"), py::arg("lam"),
+  m.def("forward", gspn2::no_throw(&gspn2::propagate_forward), "(h, error) = propagate(x, lam, gates, chunk)", py::arg("x"), py::arg("lam"),
         py::arg("gates"), py::arg("chunk"));
-  m.def("backward", gspn2::translate_errors(&gspn2::propagate_backward), "(grad_x, grad_lam, grad_gates) = propagate_backward(...)",
+  m.def("backward", gspn2::no_throw(&gspn2::propagate_backward), "([grad_x, grad_lam, grad_gates], error) = propagate_backward(...)",
         py::arg("grad_h"), py::arg("x"), py::arg("lam"), py::arg("gates"), py::arg("h"), py::arg("chunk"));
-  m.def("plan", gspn2::translate_errors(&gspn2::plan), "launch plan of the kernels", py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"),
+  m.def("plan", gspn2::no_throw(&gspn2::plan), "(plan dict, error) for a problem", py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"),
         py::arg("K"), py::arg("dtype"), py::arg("backward"));
 }

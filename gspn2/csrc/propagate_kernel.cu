@@ -128,7 +128,20 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // Barrier over the block's first `n` threads (a multiple of 32); warps past `n` have exited.
 __device__ __forceinline__ void block_sync(int n) { asm volatile("bar.sync 1, %0;" ::"r"(n) : "memory"); }
 
-__device__ __forceinline__ float sigmoid(float g) { return __frcp_rn(1.f + __expf(-g)); }
+// Branch-free approximations (a few ulp): the IEEE versions put a slow-path branch around every
+// reciprocal, which serialises the per-step dependency chain.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+// 1 / (1 + exp(-g)); saturates cleanly to 0 and 1.
+__device__ __forceinline__ float sigmoid(float g) { return rcp_approx(1.f + exp2_approx(-1.4426950408889634f * g)); }
 
 // Offset of element (t, q) in a tile plane (SmemLayout): 16-bit horizontal planes keep the two scan
 // steps of a 4-byte copy side by side.
@@ -231,7 +244,7 @@ __device__ __forceinline__ Gates normalise(float g0, float g1, float g2, int q, 
   r.a0 = q > 0 ? r.s0 : 0.f;
   r.a2 = q < L - 1 ? r.s2 : 0.f;
   r.total = (r.a0 + r.s1) + r.a2;
-  r.inv = __frcp_rn(fmaxf(r.total, kNormEps));
+  r.inv = rcp_approx(fmaxf(r.total, kNormEps));
   return r;
 }
 

@@ -24,7 +24,7 @@ import torch
 
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
-__all__ = ["BACKEND_ENV", "backend", "extension_available", "extension_error", "BUILD_HINT"]
+__all__ = ["BACKEND_ENV", "backend", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
 
 log = logging.getLogger("gspn2.ops")
 
@@ -94,16 +94,37 @@ def _use_reference(x: torch.Tensor) -> bool:
     return False
 
 
+def _checked(result):
+    value, error = result
+    if error:
+        raise ValueError(error)
+    return value
+
+
+def forward(x, lam, gates, chunk=None):
+    """The CUDA forward (no dispatch, no autograd): ``h`` of shape (B, 4, C, H, W)."""
+    return _checked(_C.forward(x, lam, gates, chunk))
+
+
+def backward(grad_h, x, lam, gates, h, chunk=None):
+    """The CUDA backward: ``(grad_x, grad_lam, grad_gates)``."""
+    return tuple(_checked(_C.backward(grad_h, x, lam, gates, h, chunk)))
+
+
+def plan(B, C, H, W, K, dtype="float32", backward=False):
+    """The kernels' launch plan (channel slice, tile, block shape, shared memory) for a problem."""
+    return _checked(_C.plan(B, C, H, W, K, dtype, backward))
+
+
 @torch.library.register_kernel("gspn2::propagate", "cuda")
 def _propagate_cuda(x, lam, gates, chunk):
     if _use_reference(x):
         return gspn_propagate_ref(x, lam, gates, chunk)
-    return _C.forward(x, lam, gates, chunk)
+    return forward(x, lam, gates, chunk)
 
 
 @torch.library.register_kernel("gspn2::propagate_backward", "cuda")
 def _propagate_backward_cuda(grad_h, x, lam, gates, h, chunk):
     if _use_reference(x):
         return gspn_propagate_backward_ref(grad_h, x, lam, gates, h, chunk)
-    grad_x, grad_lam, grad_gates = _C.backward(grad_h, x, lam, gates, h, chunk)
-    return grad_x, grad_lam, grad_gates
+    return backward(grad_h, x, lam, gates, h, chunk)

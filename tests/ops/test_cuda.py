@@ -205,13 +205,13 @@ def test_host_checks_name_the_tensor():
     x, lam, gates, _ = _inputs(1, 4, 5, 6, 2, torch.float32, seed=13)
     xs, ls, gs = (t.cuda() for t in (x, lam, gates))
     with pytest.raises(ValueError, match=r"`lam` must have shape \(B, 4, C, H, W\) = \[1, 4, 4, 5, 6\]"):
-        _cuda._C.forward(xs, ls[:, :, :, :4], gs, None)
+        _cuda.forward(xs, ls[:, :, :, :4], gs, None)
     with pytest.raises(ValueError, match=r"`gates` must have shape"):
-        _cuda._C.forward(xs, ls, gs[:, :3], None)
+        _cuda.forward(xs, ls, gs[:, :3], None)
     with pytest.raises(ValueError, match=r"`x` must be a CUDA tensor"):
-        _cuda._C.forward(x, ls, gs, None)
+        _cuda.forward(x, ls, gs, None)
     with pytest.raises(ValueError, match=r"`gates` must have dtype"):
-        _cuda._C.forward(xs, ls, gs.half(), None)
-    h = _cuda._C.forward(xs, ls, gs, None)
+        _cuda.forward(xs, ls, gs.half(), None)
+    h = _cuda.forward(xs, ls, gs, None)
     with pytest.raises(ValueError, match=r"`grad_h` must have shape"):
-        _cuda._C.backward(h[:, :2], xs, ls, gs, h, None)
+        _cuda.backward(h[:, :2], xs, ls, gs, h, None)
