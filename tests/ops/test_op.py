@@ -7,14 +7,9 @@ import torch
 
 import gspn2  # noqa: F401  (registers the ops)
 from gspn2.ops import gspn_propagate, gspn_propagate_ref
+from tests.ops._inputs import make_inputs
 
 
-def _inputs(B, C, H, W, K, dtype=torch.float64, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, C, H, W, generator=g, dtype=dtype)
-    lam = torch.randn(B, 4, C, H, W, generator=g, dtype=dtype)
-    gates = 2 * torch.randn(B, 4, 3, K, H, W, generator=g, dtype=dtype)
-    return tuple(t.requires_grad_(requires_grad) for t in (x, lam, gates))
 
 
 def test_op_is_registered_in_gspn2_namespace():
@@ -25,7 +20,7 @@ def test_op_is_registered_in_gspn2_namespace():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_op_matches_reference(dtype, chunk):
-    x, lam, gates = _inputs(2, 4, 5, 7, 2, dtype=dtype)
+    x, lam, gates = make_inputs(2, 4, 5, 7, 2, dtype=dtype)
     h = gspn_propagate(x, lam, gates, chunk)
     assert h.shape == (2, 4, 4, 5, 7) and h.dtype == dtype
     torch.testing.assert_close(h, gspn_propagate_ref(x, lam, gates, chunk))
@@ -33,7 +28,7 @@ def test_op_matches_reference(dtype, chunk):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_op_half_inputs_return_input_dtype(dtype):
-    x, lam, gates = _inputs(1, 2, 4, 6, 1, dtype=torch.float32)
+    x, lam, gates = make_inputs(1, 2, 4, 6, 1, dtype=torch.float32)
     h = gspn_propagate(x.to(dtype), lam.to(dtype), gates.to(dtype))
     assert h.dtype == dtype
     ref = gspn_propagate_ref(x.to(dtype).double(), lam.to(dtype).double(), gates.to(dtype).double())
@@ -41,7 +36,7 @@ def test_op_half_inputs_return_input_dtype(dtype):
 
 
 def test_non_contiguous_inputs():
-    x, lam, gates = _inputs(2, 4, 6, 5, 2)
+    x, lam, gates = make_inputs(2, 4, 6, 5, 2)
     xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, other strides
     lamt = lam.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
     gbig = torch.randn(2, 4, 3, 2, 6, 10, dtype=torch.float64)
@@ -55,12 +50,12 @@ def test_non_contiguous_inputs():
     "B,C,H,W,K,chunk", [(1, 2, 3, 4, 1, None), (2, 4, 4, 3, 4, 2), (1, 3, 1, 4, 3, None), (1, 2, 4, 1, 2, 3)]
 )
 def test_gradcheck(B, C, H, W, K, chunk):
-    x, lam, gates = _inputs(B, C, H, W, K, requires_grad=True, seed=11)
+    x, lam, gates = make_inputs(B, C, H, W, K, requires_grad=True, seed=11)
     assert torch.autograd.gradcheck(lambda a, b, c: gspn_propagate(a, b, c, chunk), (x, lam, gates))
 
 
 def test_op_gradients_match_reference_autograd():
-    x, lam, gates = _inputs(2, 4, 6, 5, 1, requires_grad=True, seed=12)
+    x, lam, gates = make_inputs(2, 4, 6, 5, 1, requires_grad=True, seed=12)
     h = gspn_propagate(x, lam, gates, 4)
     grad_h = torch.randn_like(h)
     got = torch.autograd.grad(h, (x, lam, gates), grad_h)
@@ -71,9 +66,9 @@ def test_op_gradients_match_reference_autograd():
 
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_opcheck(chunk):
-    x, lam, gates = _inputs(1, 2, 3, 4, 1, requires_grad=True, seed=13)
+    x, lam, gates = make_inputs(1, 2, 3, 4, 1, requires_grad=True, seed=13)
     torch.library.opcheck(torch.ops.gspn2.propagate.default, (x, lam, gates, chunk))
-    x, lam, gates = _inputs(1, 2, 3, 4, 1, seed=13)
+    x, lam, gates = make_inputs(1, 2, 3, 4, 1, seed=13)
     h = gspn_propagate(x, lam, gates, chunk)
     torch.library.opcheck(
         torch.ops.gspn2.propagate_backward.default, (torch.randn_like(h), x, lam, gates, h, chunk)
@@ -81,7 +76,7 @@ def test_opcheck(chunk):
 
 
 def test_torch_compile_fullgraph():
-    x, lam, gates = _inputs(1, 2, 4, 5, 1, dtype=torch.float32, requires_grad=True, seed=14)
+    x, lam, gates = make_inputs(1, 2, 4, 5, 1, dtype=torch.float32, requires_grad=True, seed=14)
 
     def f(x, lam, gates):
         return (gspn_propagate(x * 2, lam, gates, None) ** 2).sum()
@@ -102,7 +97,7 @@ def test_torch_compile_fullgraph():
 
 
 def _good():
-    return _inputs(2, 4, 3, 5, 2, dtype=torch.float32)
+    return make_inputs(2, 4, 3, 5, 2, dtype=torch.float32)
 
 
 def _bad_cases():
@@ -139,7 +134,7 @@ def test_bad_input_raises_naming_the_argument(case):
 
 def test_backward_returns_contiguous_gradients_for_strided_inputs():
     """The fake promises contiguous gradients; the real implementation must keep that promise."""
-    x, lam, gates = _inputs(1, 2, 4, 5, 1)
+    x, lam, gates = make_inputs(1, 2, 4, 5, 1)
     xs = x.transpose(-1, -2).contiguous().transpose(-1, -2)
     gs = gates.transpose(-1, -2).contiguous().transpose(-1, -2)
     h = gspn_propagate(xs, lam, gs)

@@ -9,14 +9,9 @@ import torch
 
 from gspn2.ops import gspn_propagate_backward_ref, gspn_propagate_ref
 from tests.ops._oracle import oracle_propagate
+from tests.ops._inputs import make_inputs
 
 
-def _inputs(B, C, H, W, K, dtype=torch.float64, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, C, H, W, generator=g, dtype=dtype)
-    lam = torch.randn(B, 4, C, H, W, generator=g, dtype=dtype)
-    gates = 2 * torch.randn(B, 4, 3, K, H, W, generator=g, dtype=dtype)
-    return tuple(t.requires_grad_(requires_grad) for t in (x, lam, gates))
 
 
 def _sig(v):
@@ -98,7 +93,7 @@ def test_chunk_restarts_by_hand():
 
 
 def test_chunk_ge_length_equals_global():
-    x, lam, gates = _inputs(1, 2, 4, 5, 1)
+    x, lam, gates = make_inputs(1, 2, 4, 5, 1)
     torch.testing.assert_close(gspn_propagate_ref(x, lam, gates, chunk=5), gspn_propagate_ref(x, lam, gates))
     torch.testing.assert_close(gspn_propagate_ref(x, lam, gates, chunk=99), gspn_propagate_ref(x, lam, gates))
 
@@ -121,7 +116,7 @@ def test_chunk_ge_length_equals_global():
     ],
 )
 def test_reference_matches_naive_oracle(B, C, H, W, K, chunk):
-    x, lam, gates = _inputs(B, C, H, W, K, seed=B * 100 + H * 10 + W)
+    x, lam, gates = make_inputs(B, C, H, W, K, seed=B * 100 + H * 10 + W)
     torch.testing.assert_close(gspn_propagate_ref(x, lam, gates, chunk), oracle_propagate(x, lam, gates, chunk))
 
 
@@ -137,7 +132,7 @@ def _swap_dirs(t, perm):
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_direction_symmetries(chunk):
     B, C, H, W, K = 2, 3, 5, 7, 1
-    x, lam, gates = _inputs(B, C, H, W, K, seed=3)
+    x, lam, gates = make_inputs(B, C, H, W, K, seed=3)
     h = gspn_propagate_ref(x, lam, gates, chunk)
     # Direction 1 on a W-flipped input equals the flipped direction 0.
     hf = gspn_propagate_ref(x.flip(-1), _swap_dirs(lam, (1, 0, 2, 3)).flip(-1),
@@ -157,25 +152,25 @@ def test_direction_symmetries(chunk):
 
 def test_shared_affinity_equals_repeated_per_channel():
     B, C, H, W = 2, 6, 4, 5
-    x, lam, g1 = _inputs(B, C, H, W, 1, seed=4)
+    x, lam, g1 = make_inputs(B, C, H, W, 1, seed=4)
     torch.testing.assert_close(
         gspn_propagate_ref(x, lam, g1), gspn_propagate_ref(x, lam, g1.expand(B, 4, 3, C, H, W))
     )
-    _, _, g2 = _inputs(B, C, H, W, 2, seed=5)
+    _, _, g2 = make_inputs(B, C, H, W, 2, seed=5)
     torch.testing.assert_close(
         gspn_propagate_ref(x, lam, g2), gspn_propagate_ref(x, lam, g2.repeat_interleave(C // 2, dim=3))
     )
 
 
 def test_channels_and_batch_are_independent():
-    x, lam, gates = _inputs(3, 4, 5, 6, 4, seed=6)
+    x, lam, gates = make_inputs(3, 4, 5, 6, 4, seed=6)
     h = gspn_propagate_ref(x, lam, gates)
     h1 = gspn_propagate_ref(x[1:2, 2:3], lam[1:2, :, 2:3], gates[1:2, :, :, 2:3])
     torch.testing.assert_close(h[1:2, :, 2:3], h1)
 
 
 def test_half_precision_upcasts():
-    x, lam, gates = _inputs(1, 2, 6, 7, 1, dtype=torch.float32, seed=7)
+    x, lam, gates = make_inputs(1, 2, 6, 7, 1, dtype=torch.float32, seed=7)
     ref = gspn_propagate_ref(x.double(), lam.double(), gates.double())
     out = gspn_propagate_ref(x.bfloat16(), lam.bfloat16(), gates.bfloat16())
     assert out.dtype == torch.bfloat16
@@ -196,7 +191,7 @@ def test_half_precision_upcasts():
     [(2, 4, 5, 6, 1, None), (1, 4, 6, 5, 4, 2), (1, 6, 7, 4, 3, 3), (1, 2, 1, 6, 1, None), (1, 2, 6, 1, 2, 4)],
 )
 def test_backward_ref_matches_autograd(B, C, H, W, K, chunk):
-    x, lam, gates = _inputs(B, C, H, W, K, seed=8, requires_grad=True)
+    x, lam, gates = make_inputs(B, C, H, W, K, seed=8, requires_grad=True)
     h = gspn_propagate_ref(x, lam, gates, chunk)
     grad_h = torch.randn_like(h)
     expected = torch.autograd.grad(h, (x, lam, gates), grad_h)
@@ -207,7 +202,7 @@ def test_backward_ref_matches_autograd(B, C, H, W, K, chunk):
 
 def test_backward_through_clamped_normaliser():
     """Logits so negative that the normaliser hits its 1e-7 floor: gradients still match autograd."""
-    x, lam, gates = _inputs(1, 2, 4, 4, 1, seed=9)
+    x, lam, gates = make_inputs(1, 2, 4, 4, 1, seed=9)
     gates = torch.full_like(gates, -30.0).requires_grad_(True)
     x.requires_grad_(True)
     lam.requires_grad_(True)
