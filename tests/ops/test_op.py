@@ -10,8 +10,6 @@ from gspn2.ops import gspn_propagate, gspn_propagate_ref
 from tests.ops._inputs import make_inputs
 
 
-
-
 def test_op_is_registered_in_gspn2_namespace():
     assert hasattr(torch.ops.gspn2, "propagate")
     assert hasattr(torch.ops.gspn2, "propagate_backward")

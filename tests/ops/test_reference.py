@@ -12,8 +12,6 @@ from tests.ops._oracle import oracle_propagate
 from tests.ops._inputs import make_inputs
 
 
-
-
 def _sig(v):
     return 1 / (1 + math.exp(-v))
 
