@@ -1,0 +1,88 @@
+"""Per-operator GPU time of one model's training step (or inference), from the torch profiler.
+
+    python scripts/profile_model.py                                   # gspn2_tiny, train, 224^2, batch 128
+    python scripts/profile_model.py --model gspn2_tiny --task infer --batch-size 256 --rows 30
+    python scripts/profile_model.py --trace runs/gspn2_tiny_trace.json   # also a Chrome trace
+
+bf16 autocast and channels_last, as scripts/bench_models.py measures. The table lists the operators by
+their own CUDA time (``self_cuda_time_total``), summed over ``--steps`` profiled steps, with the share of
+the total: the list of what to make faster first.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import timm
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import gspn2  # noqa: F401  (registers the gspn2_* models)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gspn2_tiny")
+    p.add_argument("--task", choices=["train", "infer"], default="train")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="profiled steps (after 5 warm-up steps)")
+    p.add_argument("--rows", type=int, default=40, help="operators to list")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_model.py needs a CUDA GPU")
+    if not timm.is_model(args.model):
+        raise SystemExit(f"--model: unknown timm model {args.model!r}")
+    torch.backends.cudnn.benchmark = True
+    model = timm.create_model(args.model, num_classes=1000).cuda().to(memory_format=torch.channels_last)
+    model.train(args.task == "train")
+    fwd = torch.compile(model) if args.compile else model
+    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device="cuda")
+    x = x.to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (args.batch_size,), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step() -> None:
+        if args.task == "infer":
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+                fwd(x)
+            return
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(fwd(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        step()
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / args.steps
+    print(f"{args.model} {args.task} {args.img_size}^2 batch {args.batch_size}: {ms:.2f} ms/step, "
+          f"{args.batch_size / ms * 1e3:.0f} img/s (unprofiled)")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events)
+    print(f"profiled CUDA time per step: {total / args.steps / 1e3:.2f} ms")
+    print(f"{'self CUDA ms/step':>18s} {'share':>6s} {'calls/step':>10s}  operator")
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[: args.rows]:
+        if e.self_device_time_total <= 0:
+            break
+        print(f"{e.self_device_time_total / args.steps / 1e3:18.3f} {100 * e.self_device_time_total / total:5.1f}% "
+              f"{e.count / args.steps:10.1f}  {e.key[:110]}")
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
