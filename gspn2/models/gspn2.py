@@ -24,6 +24,12 @@ channels, ``K = affinity_groups``::
     h     = gspn_propagate(p_x, sigmoid(p_lam), p_gates, chunk)     # (B, 4, P, H, W), image frame
     y     = Conv1x1(concat_d(h_d * u_d)) + D * v      # 4 directions merged in the image frame, back to E
     out   = Conv1x1(LayerNorm2d(y) * SiLU(z))         # back to C
+
+Speed (``fast_path=True``, the default; ``docs/models.md``, "Speed"): with channels_last memory every 1x1
+convolution is a GEMM on the contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the
+activation dtype under autocast, and two autograd functions recompute GELU and the SiLU gate in backward
+instead of saving them. ``fast_path=False`` computes the same function module by module, as first
+written: the reference of ``tests/models/test_fast_block.py``. Parameters and state dicts are identical.
 """
 
 from __future__ import annotations
@@ -33,17 +39,11 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import (
-    DropPath,
-    LayerNorm2d,
-    LayerScale2d,
-    Mlp,
-    NormMlpClassifierHead,
-    trunc_normal_,
-)
+from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
 from timm.models._features import feature_take_indices
 
+from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, silu_gate_linear, to_rows
 from gspn2.ops import gspn_propagate
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
@@ -96,6 +96,7 @@ class GSPN2Mixer(nn.Module):
         mixer_ratio: Hidden width ``E = round(mixer_ratio * C)`` of the value and gate branches.
         dw_kernel_size: Kernel of the depthwise convolution on the value branch.
         chunk: ``None`` for a global scan over the whole image, an int for local scans of that length.
+        fast_path: ``False`` computes the module-by-module reference formulation (see ``forward``).
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class GSPN2Mixer(nn.Module):
         mixer_ratio: float = 1.5,
         dw_kernel_size: int = 7,
         chunk: Optional[int] = None,
+        fast_path: bool = True,
     ) -> None:
         super().__init__()
         _check_positive_int("dim", dim)
@@ -132,19 +134,54 @@ class GSPN2Mixer(nn.Module):
             NUM_DIRECTIONS * 3 * affinity_groups,
         )
 
-        self.in_proj = nn.Conv2d(dim, 2 * hidden, 1)
+        self.fast_path = fast_path
+
+        # in_proj yields v and z from two GEMMs (one parameter, as the 1x1 conv it replaces).
+        self.in_proj = Conv1x1(dim, 2 * hidden, out_chunks=2, fast_path=fast_path)
         self.conv_dw = nn.Conv2d(hidden, hidden, dw_kernel_size, padding=dw_kernel_size // 2, groups=hidden)
         self.act = nn.SiLU()
-        self.generate = nn.Conv2d(hidden, sum(self.split_sizes), 1)
-        self.proj_up = nn.Conv2d(NUM_DIRECTIONS * proxy_dim, hidden, 1)
+        self.generate = Conv1x1(hidden, sum(self.split_sizes), fast_path=fast_path)
+        self.proj_up = Conv1x1(NUM_DIRECTIONS * proxy_dim, hidden, fast_path=fast_path)
         self.skip = nn.Parameter(torch.ones(hidden))
-        self.norm = LayerNorm2d(hidden)
-        self.out_proj = nn.Conv2d(hidden, dim, 1)
+        self.norm = LayerNorm2d(hidden, fast_path=fast_path)
+        self.out_proj = Conv1x1(hidden, dim, fast_path=fast_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``."""
+        """``(B, C, H, W) -> (B, C, H, W)``.
+
+        The fast path computes the reference's function with fewer kernels, casts and saved tensors:
+        1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of
+        its own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul``, the
+        LayerNorm stays in the activation dtype, and in training the output gate ``norm(y) * silu(z)``
+        and ``out_proj`` are one :func:`~gspn2.layers.silu_gate_linear` that keeps only its two inputs
+        for backward.
+        """
+        if not self.fast_path:
+            return self._forward_reference(x)
+        B, _, H, W = x.shape
         P, K = self.proxy_dim, self.affinity_groups
-        v, z = self.in_proj(x).chunk(2, dim=1)
+        v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
+        v = self.act(self.conv_dw(v))
+        xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
+        # The op scans contiguous NCHW lines: copy the proxy-sized slices (P + 4P + 12K channels) once.
+        # All three come from one GEMM, so they already share a dtype.
+        lam = torch.sigmoid(lam.unflatten(1, (NUM_DIRECTIONS, P)).contiguous())  # (B, 4, P, H, W)
+        gates = gates.unflatten(1, (NUM_DIRECTIONS, 3, K)).contiguous()  # (B, 4, 3, K, H, W)
+        h = gspn_propagate(xp.contiguous(), lam, gates, self.chunk)  # (B, 4, P, H, W)
+        # u first: the product takes u's channels_last order, so the flatten is a view and proj_up's rows
+        # are contiguous.
+        y = (u.unflatten(1, (NUM_DIRECTIONS, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
+        y = torch.addcmul(self.proj_up(y), v, self.skip.view(1, -1, 1, 1).to(v.dtype))
+        n = self.norm(y)  # the scan's scale grows with the image: normalise before gating
+        if torch.is_grad_enabled():
+            w, b = self.out_proj.weight.flatten(1), self.out_proj.bias
+            return from_rows(silu_gate_linear(to_rows(n), to_rows(z), w, b), B, H, W)
+        return self.out_proj(n * self.act(z))
+
+    def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixer written op by op, as first implemented: the spec the fast path is tested against."""
+        P, K = self.proxy_dim, self.affinity_groups
+        v, z = self.in_proj(x)
         v = self.act(self.conv_dw(v))
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
         lam = torch.sigmoid(lam).unflatten(1, (NUM_DIRECTIONS, P))  # (B, 4, P, H, W)
@@ -208,7 +245,7 @@ class GSPN2Block(nn.Module):
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.lpu2 = LocalPerceptionUnit(dim, lpu_kernel_size)
         self.norm2 = LayerNorm2d(dim)
-        self.mlp = Mlp(dim, int(round(mlp_ratio * dim)), act_layer=nn.GELU, use_conv=True)
+        self.mlp = PointwiseMlp(dim, int(round(mlp_ratio * dim)))
         self.ls2 = LayerScale2d(dim, ls_init_value) if ls_init_value is not None else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
@@ -308,6 +345,10 @@ class GSPN2(nn.Module):
         head_hidden_size: Optional pre-logits hidden layer of the head.
         drop_rate: Dropout before the classifier.
         drop_path_rate: Stochastic depth rate, increasing linearly over blocks up to this value.
+        fast_path: Compute every block with the fast formulation (GEMM 1x1 convolutions, LayerNorm in
+            the activation dtype, fewer saved activations; see ``docs/models.md``, "Speed"); ``False``
+            computes the same function module by module, the reference of the equivalence tests.
+            Parameters, state dicts and MAC counts are the same either way.
     """
 
     def __init__(
@@ -328,6 +369,7 @@ class GSPN2(nn.Module):
         head_hidden_size: Optional[int] = None,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
+        fast_path: bool = True,
     ) -> None:
         super().__init__()
         _check_positive_int("in_chans", in_chans)
@@ -405,6 +447,7 @@ class GSPN2(nn.Module):
         )
         self.head_hidden_size = self.head.num_features
         named_apply(_init_weights, self)
+        self.set_fast_path(fast_path)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Union[str, List]]:
@@ -425,6 +468,16 @@ class GSPN2(nn.Module):
         self.grad_checkpointing = enable
         for s in self.stages:
             s.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def set_fast_path(self, enable: bool = True) -> None:
+        """Switch every mixer, MLP, 1x1 convolution and LayerNorm between the fast path and the
+        module-by-module reference; both compute the same function with the same parameters."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"`enable` must be a bool, got {enable!r}")
+        for m in self.modules():
+            if isinstance(m, (GSPN2Mixer, PointwiseMlp, Conv1x1, LayerNorm2d)):
+                m.fast_path = enable
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:

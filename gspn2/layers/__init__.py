@@ -1,0 +1,21 @@
+"""Building blocks of the GSPN-2 models that run fast under bf16 autocast with channels_last memory.
+
+Each keeps the parameters of the plain module it stands for (``nn.Conv2d``, timm's ``LayerNorm2d`` and
+``Mlp``), so checkpoints and MAC counts do not change, and has a ``fast_path`` switch whose ``False``
+runs that plain module's forward: the reference the equivalence tests compare against.
+"""
+
+from gspn2.layers.mlp import PointwiseMlp
+from gspn2.layers.norm import LayerNorm2d, layer_norm_last_dim
+from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, silu_gate_linear, to_rows
+
+__all__ = [
+    "Conv1x1",
+    "LayerNorm2d",
+    "PointwiseMlp",
+    "from_rows",
+    "gelu_linear",
+    "layer_norm_last_dim",
+    "silu_gate_linear",
+    "to_rows",
+]

@@ -1,0 +1,162 @@
+"""1x1 convolutions computed as GEMMs on the channels-last view, and two activation-recomputing GEMMs.
+
+With channels_last memory a ``(B, C, H, W)`` activation is a contiguous ``(B*H*W, C)`` row matrix
+(:func:`to_rows` is a view), so a 1x1 convolution is one ``addmm``: cuBLAS applies the bias in its
+epilogue (cuDNN adds a convolution's bias in a separate kernel) and no layout conversion happens.
+:class:`Conv1x1` keeps ``nn.Conv2d``'s parameters (``weight`` of shape ``(out, in, 1, 1)``, ``bias``), so
+state dicts, initialisation and fvcore's MAC count (it counts ``aten::linear`` like the convolution:
+in x out per pixel) are those of the convolution it replaces.
+
+:func:`gelu_linear` and :func:`silu_gate_linear` are ``linear(gelu(h))`` and ``linear(n * silu(z))`` for
+training: they save their inputs only and recompute the cheap elementwise part in backward, instead of
+autograd keeping both the activation's input and output alive until backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Conv1x1", "from_rows", "gelu_linear", "silu_gate_linear", "to_rows"]
+
+
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """``(B, C, H, W) -> (B*H*W, C)``: a view for channels_last memory, a copy otherwise."""
+    return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+
+
+def from_rows(rows: torch.Tensor, B: int, H: int, W: int) -> torch.Tensor:
+    """``(B*H*W, C) -> (B, C, H, W)`` with channels_last memory (a view of contiguous ``rows``)."""
+    return rows.reshape(B, H, W, rows.shape[-1]).permute(0, 3, 1, 2)
+
+
+class Conv1x1(nn.Conv2d):
+    """A 1x1 convolution computed as ``F.linear`` on the channels-last rows of its input.
+
+    ``(B, in, H, W) -> (B, out, H, W)`` (channels_last memory), or a tuple of ``out_chunks`` tensors of
+    ``out / out_chunks`` channels each, equal to ``conv(x).chunk(out_chunks, dim=1)`` but each computed by
+    its own GEMM, so every chunk is contiguous (a depthwise convolution can take it without a copy).
+
+    Args:
+        in_channels: Input channels.
+        out_channels: Output channels (all chunks together).
+        bias: Learnable bias.
+        out_chunks: Number of outputs to split the channels into.
+        fast_path: ``False`` runs ``nn.Conv2d.forward`` (then ``chunk``), the reference.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        bias: bool = True,
+        out_chunks: int = 1,
+        fast_path: bool = True,
+    ) -> None:
+        if isinstance(out_chunks, bool) or not isinstance(out_chunks, int) or out_chunks < 1:
+            raise ValueError(f"`out_chunks` must be a positive int, got {out_chunks!r}")
+        if out_channels % out_chunks != 0:
+            raise ValueError(f"`out_chunks` ({out_chunks}) must divide `out_channels` ({out_channels})")
+        super().__init__(in_channels, out_channels, 1, bias=bias)
+        self.out_chunks = out_chunks
+        self.fast_path = fast_path
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        if not self.fast_path:
+            y = super().forward(x)
+            return y if self.out_chunks == 1 else y.chunk(self.out_chunks, dim=1)
+        B, _, H, W = x.shape
+        rows = to_rows(x)
+        weight = self.weight.flatten(1)  # (out, in): a view of the (out, in, 1, 1) parameter
+        if self.out_chunks == 1:
+            return from_rows(F.linear(rows, weight, self.bias), B, H, W)
+        biases = self.bias.chunk(self.out_chunks) if self.bias is not None else (None,) * self.out_chunks
+        return tuple(
+            from_rows(F.linear(rows, w, b), B, H, W) for w, b in zip(weight.chunk(self.out_chunks), biases)
+        )
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return t.to(dtype) if t is not None else None
+
+
+class _GeluLinear(torch.autograd.Function):
+    """``F.linear(F.gelu(h), weight, bias)`` saving ``h`` only; ``gelu(h)`` is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias):
+        ctx.save_for_backward(h, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(F.gelu(h), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight = ctx.saved_tensors
+        grad_h = grad_w = grad_b = None
+        # All inputs share one dtype (see gelu_linear); an enclosing autocast must not change that.
+        with torch.autocast(h.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_h = torch.ops.aten.gelu_backward(grad_out @ weight, h)
+            if ctx.needs_input_grad[1]:
+                grad_w = grad_out.t() @ F.gelu(h)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = grad_out.sum(0)
+        return grad_h, grad_w, grad_b
+
+
+class _SiluGateLinear(torch.autograd.Function):
+    """``F.linear(n * F.silu(z), weight, bias)`` saving ``n`` and ``z``; the gate is recomputed in
+    backward."""
+
+    @staticmethod
+    def forward(ctx, n, z, weight, bias):
+        ctx.save_for_backward(n, z, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(n * F.silu(z), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        n, z, weight = ctx.saved_tensors
+        grad_n = grad_z = grad_w = grad_b = None
+        with torch.autocast(n.device.type, enabled=False):
+            s = F.silu(z)
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+                grad_m = grad_out @ weight
+                if ctx.needs_input_grad[0]:
+                    grad_n = grad_m * s
+                if ctx.needs_input_grad[1]:
+                    grad_z = torch.ops.aten.silu_backward(grad_m * n, z)
+            if ctx.needs_input_grad[2]:
+                grad_w = grad_out.t() @ (n * s)
+            if ctx.has_bias and ctx.needs_input_grad[3]:
+                grad_b = grad_out.sum(0)
+        return grad_n, grad_z, grad_w, grad_b
+
+
+def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(F.gelu(h), weight, bias)`` that keeps only ``h`` for backward (not also ``gelu(h)``).
+
+    Computed in ``h.dtype`` (under autocast ``h`` is already the autocast dtype): ``weight`` and ``bias``
+    are cast to it outside the autograd function, so their gradients reach the parameters through the
+    cast as they would through autocast.
+
+    Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
+    """
+    return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
+
+
+def silu_gate_linear(
+    n: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``F.linear(n * F.silu(z), weight, bias)`` that keeps only ``n`` and ``z`` for backward.
+
+    Autograd would keep ``n``, ``z``, ``silu(z)`` and the product. Computed in ``n.dtype`` (``z`` is cast
+    to it), like :func:`gelu_linear`.
+
+    Shapes: ``n, z (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
+    """
+    dt = n.dtype
+    return _SiluGateLinear.apply(n, z.to(dt), weight.to(dt), _cast(bias, dt))
