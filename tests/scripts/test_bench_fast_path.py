@@ -1,0 +1,39 @@
+"""The CPU-testable parts of scripts/bench_fast_path.py (the comparison and timing need a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_fast_path.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_fast_path", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_errors_are_relative_to_the_reference(bench):
+    t = torch.tensor
+    ref = (t([2.0, -4.0]), t([1.0]), {"a": t([10.0]), "b": t([1.0])})
+    got = (t([2.0, -3.0]), t([1.0]), {"a": t([10.0]), "b": t([1.5])})
+    errs = bench._errors(got, ref)
+    assert errs["logits"] == 0.25 and errs["input_grad"] == 0.0
+    assert errs["worst_param"] == "b" and errs["worst_param_grad"] == 0.5
+
+
+def test_refuses_to_run_without_a_gpu(bench, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only refusal")
+    monkeypatch.setattr("sys.argv", ["bench_fast_path.py", "--models", "gspn2_tiny"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main()
