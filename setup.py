@@ -56,7 +56,11 @@ def _extensions() -> tuple[list, dict]:
     print(f"gspn2: building the CUDA extension with {home}/bin/nvcc for {os.environ['TORCH_CUDA_ARCH_LIST']}")
     ext = CUDAExtension(
         name="gspn2._C",
-        sources=[os.path.join(CSRC, "propagate.cpp"), os.path.join(CSRC, "propagate_kernel.cu")],
+        sources=[
+            os.path.join(CSRC, "propagate.cpp"),
+            os.path.join(CSRC, "propagate_kernel.cu"),
+            os.path.join(CSRC, "propagate_fast.cu"),
+        ],
         include_dirs=[os.path.abspath(CSRC)],
         extra_compile_args={
             "cxx": ["-O3"],

@@ -3,7 +3,9 @@
     python scripts/bench_op.py --out-dir docs/bench            # everything (about a minute on an H200)
     python scripts/bench_op.py --quick                          # the headline shapes only
 
-For every shape: forward and backward kernel time (median of CUDA-graph replays, triton's
+For every shape: forward and backward time of the kernels the op picks (the streaming kernels for
+lines of up to 1024 pixels, the general ones beyond) and, side by side, of the general kernels
+(``GSPN2_KERNEL=general``) where both apply; kernel time (median of CUDA-graph replays, triton's
 ``do_bench_cudagraph``; ``do_bench`` with CUDA events where graphs are unavailable), the achieved fraction
 of the bandwidth floor, the pure-PyTorch reference's time where affordable (one iteration) and
 FlashAttention (``scaled_dot_product_attention``, bf16, batch B, 4 heads x 64, the same token count H*W)
@@ -28,10 +30,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import gspn2  # noqa: E402,F401
-from gspn2.ops import _cuda, gspn_propagate_ref  # noqa: E402
+import gspn2  # noqa: F401
+from gspn2.ops import _cuda, gspn_propagate_ref
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -125,6 +125,13 @@ def bench_shape(label, B, C, H, W, K, dt, bw, with_ref, with_sdpa):
     rec["plan_bwd"] = C_.plan(B, C, H, W, K, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt], True)
     rec["fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
     rec["bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
+    if rec["plan_fwd"].get("kernel") == "fast":  # the general kernels on the same inputs, same run
+        os.environ["GSPN2_KERNEL"] = "general"
+        try:
+            rec["general_fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
+            rec["general_bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
+        finally:
+            del os.environ["GSPN2_KERNEL"]
     fb, bb = floor_bytes(B, C, H, W, K, BYTES[dtype])
     rec["fwd_floor_ms"] = fb / bw * 1e3
     rec["bwd_floor_ms"] = bb / bw * 1e3
@@ -156,16 +163,17 @@ def markdown(records, bw, env):
         "(device-to-device, read + write). Times: median ms, four directions per call, chunk = None.",
         "",
         "| shape (B x C x H x W, K) | dtype | fwd ms | fwd floor ms | fwd % floor | bwd ms | bwd floor ms | "
-        "bwd % floor | reference fwd ms | SDPA fwd / fwd+bwd ms | plan fwd (cs, T, nbuf) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "bwd % floor | general kernels fwd / bwd ms | reference fwd ms | SDPA fwd / fwd+bwd ms | kernel (channels per block) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         pf = r["plan_fwd"]
         sd = "-" if r.get("sdpa_fwd_ms") is None else f"{fmt(r['sdpa_fwd_ms'])} / {fmt(r['sdpa_fwdbwd_ms'])}"
+        gk = "-" if r.get("general_fwd_ms") is None else f"{fmt(r['general_fwd_ms'])} / {fmt(r['general_bwd_ms'])}"
         lines.append(
             f"| {r['label']}: {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {fmt(r['fwd_ms'])} | "
             f"{fmt(r['fwd_floor_ms'])} | {r['fwd_pct_floor']:.0f}% | {fmt(r['bwd_ms'])} | {fmt(r['bwd_floor_ms'])} | "
-            f"{r['bwd_pct_floor']:.0f}% | {fmt(r.get('ref_fwd_ms'))} | {sd} | {pf['cs']}, {pf['T']}, {pf['nbuf']} |"
+            f"{r['bwd_pct_floor']:.0f}% | {gk} | {fmt(r.get('ref_fwd_ms'))} | {sd} | {pf.get('kernel', 'general')} ({pf['cs']}) |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,8 +1,13 @@
-"""Profiling helper for scripts/gpu_session.sh: kernel calls for Nsight Compute, and stage ablations
-(GSPN2_ABLATE=1 skips tile loads, 2 the scan steps, 4 the stores; the results are then wrong).
+"""Profiling helper for the GPU sessions (scripts/gpu_session.sh): kernel calls for Nsight Compute, and
+timings of variants switched by environment variables between calls (profiling only):
 
-    python scripts/gpu_profile.py run big s128       # a few calls, for ncu
-    GSPN2_ABLATE=2 python scripts/gpu_profile.py time big s128
+* ``GSPN2_ABLATE`` (results are wrong): general kernels: 1 skips tile loads, 2 the scan steps, 4 the
+  stores; streaming kernels: 8 skips the horizontal blocks, 16 the vertical ones, 64 runs horizontal
+  scans through the ring instead of the tile stage.
+* ``GSPN2_KERNEL=general`` the general kernels.
+
+    python scripts/gpu_profile.py run big s128                 # a few calls, for ncu
+    python scripts/gpu_profile.py variants big m56             # a table of variants per shape
 """
 
 import os
@@ -16,9 +21,19 @@ from gspn2.ops import _cuda
 SHAPES = {
     "big": (16, 2, 1024, 1024, 2, torch.float32),
     "bigbf": (16, 2, 1024, 1024, 2, torch.bfloat16),
+    "sweep1024": (1, 8, 1024, 1024, 1, torch.float32),
     "s128": (1, 8, 128, 128, 8, torch.float32),
     "s32": (32, 49, 32, 32, 49, torch.float32),
-    "m56": (128, 8, 56, 56, 1, torch.bfloat16),
+    "m56": (128, 2, 56, 56, 1, torch.bfloat16),
+    "m28": (128, 2, 28, 28, 1, torch.bfloat16),
+}
+VARIANTS = {
+    "base": {},
+    "horizontal only": {"GSPN2_ABLATE": "16"},
+    "vertical only": {"GSPN2_ABLATE": "8"},
+    "horizontal ring": {"GSPN2_ABLATE": "64"},
+    "horizontal ring only": {"GSPN2_ABLATE": "80"},
+    "general kernels": {"GSPN2_KERNEL": "general"},
 }
 
 
@@ -32,12 +47,19 @@ def main():
         h = _cuda.forward(x, lam, g, None)
         gh = torch.randn_like(h)
         _cuda.backward(gh, x, lam, g, h, None)
-        if mode == "time":
-            from triton.testing import do_bench
+        if mode != "variants":
+            continue
+        from triton.testing import do_bench
 
-            f = do_bench(lambda: _cuda.forward(x, lam, g, None), return_mode="median")
-            b = do_bench(lambda: _cuda.backward(gh, x, lam, g, h, None), return_mode="median")
-            print(f"ablate={os.environ.get('GSPN2_ABLATE', '0')} {name}: fwd {f:.4f} ms  bwd {b:.4f} ms", flush=True)
+        for label, env in VARIANTS.items():
+            os.environ.update(env)
+            try:
+                f = do_bench(lambda: _cuda.forward(x, lam, g, None), return_mode="median")
+                b = do_bench(lambda: _cuda.backward(gh, x, lam, g, h, None), return_mode="median")
+            finally:
+                for k in env:
+                    del os.environ[k]
+            print(f"{name:10s} {label:22s} fwd {f:8.4f} ms  bwd {b:8.4f} ms", flush=True)
     torch.cuda.synchronize()
 
 

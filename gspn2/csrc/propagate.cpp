@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -78,6 +79,48 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // scans' copies longer runs along W (up to 128 bytes per line position and plane: whole cache lines),
 // so the tile is the longest that fits the budget; then the widest channel slice (the gates of a
 // group are read by fewer blocks). Two buffers (loads overlap compute) unless only one fits.
+// Streaming kernels (propagate_fast.cu) for lines of up to kFastMaxLine pixels: one thread per line
+// position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
+// ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
+// multiple of the tile and it fits. GSPN2_KERNEL=general forces the general kernels (tests, comparisons).
+bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit) {
+  const char* forced = std::getenv("GSPN2_KERNEL");
+  const std::string kind = forced ? forced : "auto";
+  GSPN2_CHECK(kind == "auto" || kind == "fast" || kind == "general",
+              "GSPN2_KERNEL must be auto, fast or general, got '", kind, "'");
+  const int lmax = std::max(p.H, p.W);
+  if (kind == "general") return false;
+  if (lmax > kFastMaxLine) {
+    GSPN2_CHECK(kind != "fast", "GSPN2_KERNEL=fast: the streaming kernels take lines of up to ", kFastMaxLine,
+                " pixels, got ", lmax);
+    return false;
+  }
+  const int esize = element_size(p.dtype);
+  p.kernel = 2;
+  p.nt = round_up(lmax, 32);
+  p.cs = 1;
+  if (p.nt <= kFastSmallThreads) {
+    for (const int cs : {4, 2}) {
+      if (p.G % cs == 0) {
+        p.cs = cs;
+        break;
+      }
+    }
+  }
+  p.nsl = p.G / p.cs;
+  p.pp = round_up(lmax + 2, 4);
+  const int line_bytes = (backward ? 2 * 4 : 2) * p.cs * p.pp * 4;
+  const int T = backward ? kFastTileB : kFastTileF;
+  const int planes = backward ? 3 + 4 * p.cs : 3 + 2 * p.cs;
+  // Backward tiles also stage their outputs: grad_lam (input dtype), grad_x term and gate gradients (fp32).
+  const int out_bytes = backward ? align16(p.cs * T * p.nt * esize) + (p.cs + 3) * T * p.nt * 4 : 0;
+  const int stage_bytes = p.nt * planes * T * esize + out_bytes;
+  p.tile_h = (p.W % T == 0 && line_bytes + stage_bytes <= smem_limit && !(p.ablate & 64)) ? 1 : 0;
+  p.smem_bytes = line_bytes + (p.tile_h ? stage_bytes : 0);
+  p.T = p.tile_h ? T : 0;
+  return true;
+}
+
 void make_plan(PropagateParams& p, bool backward) {
   const int esize = element_size(p.dtype);
   const int tmax = 128 / esize;
@@ -102,6 +145,8 @@ void make_plan(PropagateParams& p, bool backward) {
     }
   }
   cudaGetLastError();  // no device here (planning only): keep the defaults
+  if (make_plan_fast(p, backward, smem_limit)) return;
+  p.kernel = 1;
   auto score = [&](const PropagateParams& q) {
     const int64_t blocks = int64_t(4) * q.B * q.K * q.nsl;
     return std::make_tuple(std::min<int64_t>(blocks, nsm), q.nbuf, std::min(q.T * esize, 16), q.cs, q.T);
@@ -171,11 +216,9 @@ PropagateParams make_params(const at::Tensor& x, const at::Tensor& lam, const at
   p.h_sc = p.lam_sc;
   p.gxp_sd = int64_t(p.B) * p.C * HW;
   p.ggp_ssl = int64_t(p.B) * 4 * 3 * p.K * HW;
-  static const int ablate = [] {
-    const char* v = std::getenv("GSPN2_ABLATE");
-    return v ? std::atoi(v) : 0;
-  }();
-  p.ablate = ablate;
+  // Read on every call (cheap), so that a benchmark can switch them between calls.
+  const char* ablate = std::getenv("GSPN2_ABLATE");
+  p.ablate = ablate ? std::atoi(ablate) : 0;
   p.x = x.data_ptr();
   p.lam = lam.data_ptr();
   p.gates = gates.data_ptr();
@@ -212,7 +255,11 @@ at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const
   make_plan(p, /*backward=*/false);
   at::Tensor h = at::empty({p.B, 4, p.C, p.H, p.W}, x.options());
   p.h = h.data_ptr();
-  launch_forward(p, c10::cuda::getCurrentCUDAStream());
+  if (p.kernel == 2) {
+    launch_forward_fast(p, c10::cuda::getCurrentCUDAStream());
+  } else {
+    launch_forward(p, c10::cuda::getCurrentCUDAStream());
+  }
   return h;
 }
 
@@ -247,7 +294,11 @@ std::vector<at::Tensor> propagate_backward(const at::Tensor& grad_h_, const at::
   p.grad_gates = grad_gates.data_ptr();
   p.grad_x_part = grad_x_part.data_ptr<float>();
   p.grad_gates_part = p.nsl > 1 ? grad_gates_part.data_ptr<float>() : nullptr;
-  launch_backward(p, c10::cuda::getCurrentCUDAStream());
+  if (p.kernel == 2) {
+    launch_backward_fast(p, c10::cuda::getCurrentCUDAStream());
+  } else {
+    launch_backward(p, c10::cuda::getCurrentCUDAStream());
+  }
   return {grad_x, grad_lam, grad_gates};
 }
 
@@ -263,15 +314,22 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   p.G = int(C / K);
   make_plan(p, backward);
   py::dict d;
+  d["kernel"] = p.kernel == 2 ? "fast" : "general";
   d["cs"] = p.cs;
   d["nsl"] = p.nsl;
-  d["nx"] = p.nx;
-  d["ny"] = p.ny;
   d["T"] = p.T;
-  d["nbuf"] = p.nbuf;
-  d["E"] = p.E;
   d["smem_bytes"] = p.smem_bytes;
   d["blocks"] = 4 * p.B * p.K * p.nsl;
+  if (p.kernel == 2) {
+    d["threads"] = p.nt;
+    d["tile_h"] = bool(p.tile_h);
+  } else {
+    d["threads"] = p.nx * p.ny;
+    d["nx"] = p.nx;
+    d["ny"] = p.ny;
+    d["nbuf"] = p.nbuf;
+    d["E"] = p.E;
+  }
   return d;
 }
 

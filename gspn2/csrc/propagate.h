@@ -19,6 +19,11 @@ constexpr int kMaxThreadsBackward = 512;  // the reverse scan keeps more state: 
 constexpr int kMaxSlice = 16;           // channels of one affinity group handled by one block, at most
 constexpr int kSmemLimit = 227 * 1024;  // opt-in shared memory per block on sm_90 (sm_80: 163 KB)
 constexpr float kNormEps = 1e-7f;       // gspn2.ops.reference.NORM_EPS
+// Streaming kernels: longest line, thread classes (launch bounds), tile lengths of horizontal scans.
+constexpr int kFastMaxLine = 1024;
+constexpr int kFastSmallThreads = 256;  // blocks of at most this many threads may keep up to 4 channels
+constexpr int kFastTileF = 8;           // forward: scan steps per horizontal tile (32 B fp32, 16 B 16-bit)
+constexpr int kFastTileB = 4;           // backward: scan steps per horizontal tile (16 B fp32, 8 B 16-bit)
 
 // Division by a launch-invariant divisor through a multiply (Granlund-Montgomery round-up method):
 // d >= 1 and numerators below 2^31. Set up on the host, used by the kernels.
@@ -88,7 +93,12 @@ struct PropagateParams {
   int nbuf;    // input tile buffers: 2 = the next tile lands while this one is computed; 1 for long lines
   int E;       // elements per vertical-scan access along W: the widest power of two <= 16 bytes dividing W
   int smem_bytes;
-  int ablate;  // profiling only (GSPN2_ABLATE): bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores
+  // Streaming kernels (propagate_fast.cu), chosen when kernel == 2.
+  int kernel;  // 1: general kernels, 2: streaming kernels
+  int nt;      // threads per block: one per line position, rounded up to a warp
+  int pp;      // floats per fp32 exchange line in shared memory (longest line + 2 halo, rounded)
+  int tile_h;  // horizontal scans load tiles of kFastTileF / kFastTileB steps through a per-thread stage
+  int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans
   CopySet copy[2][kNumCopyKinds];
   // x (B, C, H, W)
   int64_t x_sb, x_sc;
@@ -195,8 +205,14 @@ __host__ __device__ inline SmemLayout smem_layout(const PropagateParams& p, bool
   return s;
 }
 
-// Launchers (propagate_kernel.cu). Each launches on `stream` and checks the launch.
+// Launchers. Each launches on `stream` and checks the launch.
+// propagate_kernel.cu: the general kernels (shared-memory tiles, any line length up to ~4096).
 void launch_forward(const PropagateParams& p, cudaStream_t stream);
 void launch_backward(const PropagateParams& p, cudaStream_t stream);
+// grad_x = sum of the four directions' fp32 terms, gate gradients = sum of the slices' partials.
+void launch_backward_reduce(const PropagateParams& p, cudaStream_t stream);
+// propagate_fast.cu: the streaming kernels (lines of up to kFastMaxLine pixels; plan_fast() decides).
+void launch_forward_fast(const PropagateParams& p, cudaStream_t stream);
+void launch_backward_fast(const PropagateParams& p, cudaStream_t stream);
 
 }  // namespace gspn2

@@ -25,13 +25,19 @@ import torch
 from gspn2.ops._checks import check_propagate_inputs
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
-__all__ = ["BACKEND_ENV", "backend", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
+__all__ = ["BACKEND_ENV", "KERNEL_ENV", "FAST_MAX_LINE", "backend", "kernel_family", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
 
 log = logging.getLogger("gspn2.ops")
 
 #: Environment variable that selects the backend for CUDA tensors.
 BACKEND_ENV = "GSPN2_BACKEND"
 _BACKENDS = ("auto", "cuda", "reference")
+#: Environment variable that selects the kernel family: ``auto`` (streaming kernels for lines of up to
+#: FAST_MAX_LINE pixels, general kernels beyond), ``fast`` (streaming only) or ``general``.
+KERNEL_ENV = "GSPN2_KERNEL"
+_KERNELS = ("auto", "fast", "general")
+#: Longest line (max(H, W)) the streaming kernels take (gspn2/csrc/propagate.h, kFastMaxLine).
+FAST_MAX_LINE = 1024
 
 BUILD_HINT = (
     "gspn2's CUDA extension (gspn2._C) is not built, so gspn_propagate cannot run its kernel on a CUDA "
@@ -67,6 +73,23 @@ def backend() -> str:
     if value not in _BACKENDS:
         raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(_BACKENDS)}; got {value!r}")
     return value
+
+
+def kernel_family() -> str:
+    """The kernel family requested by ``GSPN2_KERNEL`` (``auto``, ``fast`` or ``general``)."""
+    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if value not in _KERNELS:
+        raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(_KERNELS)}; got {value!r}")
+    return value
+
+
+def _check_kernel_env(H: int, W: int) -> None:
+    # Validated here, before the extension sees it (its own check is a second line of defence).
+    if kernel_family() == "fast" and max(H, W) > FAST_MAX_LINE:
+        raise ValueError(
+            f"{KERNEL_ENV}=fast: the streaming kernels take lines of up to {FAST_MAX_LINE} pixels, "
+            f"got H={H}, W={W}; use {KERNEL_ENV}=auto"
+        )
 
 
 def _announce(key: str, message: str, warn: bool = False) -> None:
@@ -119,6 +142,7 @@ def forward(x, lam, gates, chunk=None):
     checks them again in C++.
     """
     check_propagate_inputs(x, lam, gates, chunk)
+    _check_kernel_env(x.shape[2], x.shape[3])
     return _checked(_C.forward(x, lam, gates, chunk))
 
 
@@ -126,11 +150,13 @@ def backward(grad_h, x, lam, gates, h, chunk=None):
     """The CUDA backward: ``(grad_x, grad_lam, grad_gates)``."""
     check_propagate_inputs(x, lam, gates, chunk)
     _check_backward_extra(grad_h, x, h)
+    _check_kernel_env(x.shape[2], x.shape[3])
     return tuple(_checked(_C.backward(grad_h, x, lam, gates, h, chunk)))
 
 
 def plan(B, C, H, W, K, dtype="float32", backward=False):
-    """The kernels' launch plan (channel slice, tile, block shape, shared memory) for a problem."""
+    """The kernels' launch plan (kernel family, channel slice, tile, block shape, shared memory)."""
+    _check_kernel_env(H, W)
     return _checked(_C.plan(B, C, H, W, K, dtype, backward))
 
 

@@ -30,6 +30,23 @@ def test_extension_built_and_imports():
         assert callable(getattr(_cuda._C, name))
 
 
+@pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
+@pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
+def test_kernel_choice(monkeypatch):
+    """Planning needs no GPU: lines of up to 1024 pixels take the streaming kernels, longer ones the
+    general kernels; GSPN2_KERNEL forces a family and is validated."""
+    assert _cuda.plan(128, 2, 56, 56, 1, "bfloat16")["kernel"] == "fast"
+    big = _cuda.plan(16, 2, 1024, 1024, 2, "float32")
+    assert big["kernel"] == "fast" and big["threads"] == 1024 and big["cs"] == 1 and big["tile_h"]
+    assert _cuda.plan(1, 2, 1100, 3, 1, "float32")["kernel"] == "general"
+    monkeypatch.setenv("GSPN2_KERNEL", "fast")
+    with pytest.raises(ValueError, match="GSPN2_KERNEL=fast.*1024"):
+        _cuda.plan(1, 2, 1100, 3, 1, "float32")
+    monkeypatch.setenv("GSPN2_KERNEL", "bogus")
+    with pytest.raises(ValueError, match="GSPN2_KERNEL must be one of"):
+        _cuda.plan(1, 2, 10, 10, 1, "float32")
+
+
 def test_backend_env_is_validated(monkeypatch):
     monkeypatch.setenv(_cuda.BACKEND_ENV, "reference")
     assert _cuda.backend() == "reference"

@@ -24,8 +24,15 @@ LOWP_SLACK = 1e-4
 
 # (B, C, H, W, K, chunk): H != W, K in {1, 4, C}, groups larger than one block's channel slice (32 > 16),
 # lines of one pixel, lines longer than 1024 pixels, W not a multiple of the access width, chunks that
-# do not divide the scan length, long lines with many tiles.
+# do not divide the scan length, long lines with many tiles. Lines of up to 1024 pixels run the streaming
+# kernels (propagate_fast.cu): small blocks with 1, 2 and 4 channels, big blocks (one channel, group
+# split over several blocks), horizontal scans through the tile stage (W % 8 == 0 forward, W % 4 == 0
+# backward) and through the ring; longer lines run the general kernels.
 CASES = [
+    (1, 3, 288, 264, 1, 100),
+    (2, 2, 16, 24, 1, 5),
+    (1, 1, 40, 1024, 1, None),
+    (1, 1, 1024, 8, 1, 9),
     (2, 4, 9, 13, 1, None),
     (2, 4, 9, 13, 4, 3),
     (1, 6, 16, 5, 3, 4),
@@ -122,6 +129,18 @@ def test_matches_float64_reference(case, dtype):
         for name, g, r, lo in zip(NAMES, got, ref, low):
             err, bound = _rel(g, r, scale), LOWP_FACTOR * _rel(lo, r, scale) + LOWP_SLACK
             assert err <= bound, f"{name}: kernel {err:.3g} > {bound:.3g} (reference in {dtype})"
+
+
+# The general kernels (lines longer than 1024 pixels) on shapes the streaming kernels would take.
+GENERAL_CASES = [(2, 4, 9, 13, 4, 3), (1, 32, 6, 8, 1, None), (1, 2, 200, 300, 1, None), (3, 2, 14, 14, 1, 7)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", GENERAL_CASES, ids=_ids)
+def test_general_kernels_match_float64_reference(case, dtype, monkeypatch):
+    monkeypatch.setenv("GSPN2_KERNEL", "general")
+    assert _cuda.plan(*case[:4], case[4], str(dtype).split(".")[1])["kernel"] == "general"
+    test_matches_float64_reference(case, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

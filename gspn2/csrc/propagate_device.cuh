@@ -1,0 +1,114 @@
+// Device helpers shared by the two kernel families (propagate_kernel.cu: general, shared-memory
+// tiles; propagate_fast.cu: register streaming for lines of up to 1024 pixels).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "propagate.h"
+
+namespace gspn2 {
+namespace dev {
+
+// ------------------------------------------------------------------------------------------------
+// Element types: tiles are stored as raw bits in shared memory, math is fp32.
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  using bits = uint32_t;
+  static __device__ __forceinline__ float load(bits b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ bits store(float f) { return __float_as_uint(f); }
+};
+
+template <>
+struct Elem<__half> {
+  using bits = uint16_t;
+  static __device__ __forceinline__ float load(bits b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ bits store(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  using bits = uint16_t;
+  static __device__ __forceinline__ float load(bits b) { return __uint_as_float(uint32_t(b) << 16); }
+  static __device__ __forceinline__ bits store(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+// Global -> shared copy of 4, 8 or 16 bytes without registers (cp.async, sm_80+); 2-byte copies
+// (16-bit types with an odd W) fall back to a plain load and store.
+__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+  } else if (bytes == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src) : "memory");
+  } else if (bytes == 4) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+  } else {
+    *static_cast<unsigned short*>(dst) = __ldg(static_cast<const unsigned short*>(src));
+  }
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Branch-free approximations (a few ulp): the IEEE versions put a slow-path branch around every
+// reciprocal, which serialises the per-step dependency chain.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+// 1 / (1 + exp(-g)); saturates cleanly to 0 and 1.
+__device__ __forceinline__ float sigmoid(float g) { return rcp_approx(1.f + exp2_approx(-1.4426950408889634f * g)); }
+
+// Normalised gate weights of line position q (SPEC 1.1): a_k = mask_k * sigmoid(g_k),
+// w_k = a_k / max(sum_k a_k, eps).
+struct Gates {
+  float s0, s1, s2;  // sigmoid(g_k)
+  float a0, a2;      // masked sigmoids of the outer neighbours (a1 = s1)
+  float total;       // sum_k a_k
+  float inv;         // 1 / max(total, eps)
+};
+
+__device__ __forceinline__ Gates normalise(float g0, float g1, float g2, int q, int L) {
+  Gates r;
+  r.s0 = sigmoid(g0);
+  r.s1 = sigmoid(g1);
+  r.s2 = sigmoid(g2);
+  r.a0 = q > 0 ? r.s0 : 0.f;
+  r.a2 = q < L - 1 ? r.s2 : 0.f;
+  r.total = (r.a0 + r.s1) + r.a2;
+  r.inv = rcp_approx(fmaxf(r.total, kNormEps));
+  return r;
+}
+
+struct BlockIndex {
+  int d, b, grp, sl;
+};
+
+__device__ __forceinline__ BlockIndex block_index(const PropagateParams& p) {
+  int bid = blockIdx.x;
+  BlockIndex r;
+  r.d = bid & 3;
+  bid >>= 2;
+  r.sl = bid % p.nsl;
+  bid /= p.nsl;
+  r.grp = bid % p.K;
+  r.b = bid / p.K;
+  return r;
+}
+
+}  // namespace dev
+}  // namespace gspn2

@@ -1,0 +1,785 @@
+// Streaming propagation kernels for lines of up to kFastMaxLine (1024) pixels: every model shape and
+// images up to 1024^2. Lines longer than that run the general kernels (propagate_kernel.cu).
+//
+// Same decomposition as the general kernels: one launch covers the four directions, block
+// (d, b, group, slice) owns whole lines of `CS` channels of one affinity group, one thread per line
+// position, and the previous line (forward) or the adjoint terms (backward) are exchanged through an
+// fp32 line in shared memory, double buffered, one barrier per scan step. What differs is how the
+// inputs arrive: nothing is staged cooperatively, every thread streams its own pixels.
+//
+//   * ring (vertical scans, and horizontal scans whose W is not a multiple of the tile): each thread
+//     keeps the next D scan steps of its own pixel in registers; the loads of step s + D are issued
+//     as step s is consumed, so D steps of every thread are always in flight. Vertical scans load
+//     rows: consecutive threads read consecutive addresses.
+//   * tile (horizontal scans): a thread's pixels along the scan axis are contiguous in memory, so it
+//     copies the next T steps of each plane with cp.async (16 or 32 bytes: whole sectors) into its own
+//     slice of shared memory while it computes the current T steps from registers; outputs are kept
+//     in registers and written as vectors once per tile. No barrier guards the stage: only the thread
+//     that copied a slice reads it.
+//
+// The backward is the reverse scan of gspn_propagate_backward_ref. Besides the adjoint terms C_o, the
+// exchange line carries h_{s-1}, the saved output of the step before, that grad_w needs at q - 1, q
+// and q + 1; it is written one step ahead. grad_x is written per direction (fp32) and summed by the
+// general kernels' reduce pass, in a fixed order, as are the gate gradients of groups split over
+// several blocks: deterministic, no float atomics.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <c10/cuda/CUDAException.h>
+
+#include "propagate.h"
+#include "propagate_device.cuh"
+
+namespace gspn2 {
+namespace {
+
+using namespace dev;
+
+// ------------------------------------------------------------------------------------------------
+// Packed register tiles: NW 32-bit words holding elements of type Bits (indices are compile-time
+// constants after unrolling, so the arrays live in registers).
+// ------------------------------------------------------------------------------------------------
+
+template <typename Bits>
+struct Packed;
+
+template <>
+struct Packed<uint32_t> {
+  template <int NW>
+  static __device__ __forceinline__ uint32_t get(const uint32_t (&r)[NW], int e) { return r[e]; }
+  template <int NW>
+  static __device__ __forceinline__ void put(uint32_t (&r)[NW], int e, uint32_t b) { r[e] = b; }
+  template <int NW>
+  static __device__ __forceinline__ void reverse(uint32_t (&r)[NW]) {
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) {
+      const uint32_t t = r[i];
+      r[i] = r[NW - 1 - i];
+      r[NW - 1 - i] = t;
+    }
+  }
+};
+
+template <>
+struct Packed<uint16_t> {
+  template <int NW>
+  static __device__ __forceinline__ uint16_t get(const uint32_t (&r)[NW], int e) {
+    return uint16_t((e & 1) ? (r[e >> 1] >> 16) : (r[e >> 1] & 0xffffu));
+  }
+  template <int NW>
+  static __device__ __forceinline__ void put(uint32_t (&r)[NW], int e, uint16_t b) {
+    const uint32_t w = r[e >> 1];
+    r[e >> 1] = (e & 1) ? ((w & 0xffffu) | (uint32_t(b) << 16)) : ((w & 0xffff0000u) | b);
+  }
+  template <int NW>
+  static __device__ __forceinline__ void reverse(uint32_t (&r)[NW]) {
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) {
+      const uint32_t t = r[i];
+      r[i] = r[NW - 1 - i];
+      r[NW - 1 - i] = t;
+    }
+#pragma unroll
+    for (int i = 0; i < NW; ++i) r[i] = __byte_perm(r[i], 0, 0x1032);
+  }
+};
+
+template <int NW>
+__device__ __forceinline__ void reverse_f(float (&r)[NW]) {
+#pragma unroll
+  for (int i = 0; i < NW / 2; ++i) {
+    const float t = r[i];
+    r[i] = r[NW - 1 - i];
+    r[NW - 1 - i] = t;
+  }
+}
+
+__device__ __forceinline__ uint32_t ldg_bits(const uint32_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+__device__ __forceinline__ uint16_t ldg_bits(const uint16_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+
+// A thread's slice of the stage: VB bytes per plane, plane k of thread q at (k * nthreads + q) * VB.
+// 32-byte slices swap their halves on every other group of four threads, so that a quarter warp's
+// 16-byte shared loads hit 32 different banks.
+template <int VB>
+struct Stage {
+  unsigned char* base;
+  int nthr;
+  int q;
+  __device__ __forceinline__ unsigned char* slice(int k) const { return base + (size_t(k) * nthr + q) * VB; }
+  __device__ __forceinline__ int half(int h) const { return VB == 32 ? (h ^ ((q >> 2) & 1)) : h; }
+  // Global -> stage (cp.async, no registers). src must be VB-aligned.
+  __device__ __forceinline__ void copy(int k, const void* src) const {
+    unsigned char* d = slice(k);
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    if (VB == 32) {
+      copy_async(d + half(0) * 16, s, 16);
+      copy_async(d + half(1) * 16, s + 16, 16);
+    } else {
+      copy_async(d, s, VB);
+    }
+  }
+  // Stage -> registers.
+  template <int NW>
+  __device__ __forceinline__ void read(int k, uint32_t (&r)[NW]) const {
+    const unsigned char* d = slice(k);
+    if constexpr (VB == 32) {
+      const uint4 a = *reinterpret_cast<const uint4*>(d + half(0) * 16);
+      const uint4 b = *reinterpret_cast<const uint4*>(d + half(1) * 16);
+      r[0] = a.x, r[1] = a.y, r[2] = a.z, r[3] = a.w;
+      r[4] = b.x, r[5] = b.y, r[6] = b.z, r[7] = b.w;
+    } else if constexpr (VB == 16) {
+      const uint4 a = *reinterpret_cast<const uint4*>(d);
+      r[0] = a.x, r[1] = a.y, r[2] = a.z, r[3] = a.w;
+    } else {
+      const uint2 a = *reinterpret_cast<const uint2*>(d);
+      r[0] = a.x, r[1] = a.y;
+    }
+  }
+  // One element (index e in memory order) of plane k, for slices of at most 16 bytes.
+  template <typename Bits>
+  __device__ __forceinline__ Bits peek(int k, int e) const {
+    return reinterpret_cast<const Bits*>(slice(k))[e];
+  }
+};
+
+// Registers -> global memory, NW words (VB = 4 * NW bytes, aligned).
+template <int NW>
+__device__ __forceinline__ void stg_words(void* dst, const uint32_t (&r)[NW]) {
+  if constexpr (NW == 8) {
+    reinterpret_cast<uint4*>(dst)[0] = make_uint4(r[0], r[1], r[2], r[3]);
+    reinterpret_cast<uint4*>(dst)[1] = make_uint4(r[4], r[5], r[6], r[7]);
+  } else if constexpr (NW == 4) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(r[0], r[1], r[2], r[3]);
+  } else if constexpr (NW == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(r[0], r[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = r[0];
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void stg_floats(float* dst, const float (&r)[N]) {
+  uint32_t w[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = __float_as_uint(r[i]);
+  stg_words<N>(dst, w);
+}
+
+// The block's view of its problem: line geometry and plane base pointers (q = 0, scan index 0).
+template <typename Bits, int CS>
+struct BlockView {
+  int L, S, W, q;
+  bool inc, active;
+  int ce;  // restart period in steps
+  const Bits* g;
+  const Bits* x;
+  const Bits* lam;
+  __device__ __forceinline__ BlockView(const PropagateParams& p, const BlockIndex& bi, bool horiz) {
+    L = horiz ? p.H : p.W;
+    S = horiz ? p.W : p.H;
+    W = p.W;
+    q = threadIdx.x;
+    inc = (bi.d & 1) == 0;
+    active = q < L;
+    ce = (p.chunk > 0 && p.chunk < S) ? p.chunk : S;
+    const int c0 = bi.grp * p.G + bi.sl * CS;
+    g = static_cast<const Bits*>(p.gates) + (bi.b * p.g_sb + bi.d * p.g_sd + bi.grp * p.g_sk);
+    x = static_cast<const Bits*>(p.x) + (bi.b * p.x_sb + c0 * p.x_sc);
+    lam = static_cast<const Bits*>(p.lam) + (bi.b * p.lam_sb + bi.d * p.lam_sd + c0 * p.lam_sc);
+  }
+  // Offset of this thread's pixel at scan step s.
+  template <bool HORIZ>
+  __device__ __forceinline__ int64_t off(int s) const {
+    const int idx = inc ? s : S - 1 - s;
+    return HORIZ ? int64_t(q) * W + idx : int64_t(idx) * W + q;
+  }
+  // First image column of horizontal tile kt (T steps), and this thread's offset there.
+  template <int T>
+  __device__ __forceinline__ int64_t tile_off(int kt) const {
+    return int64_t(q) * W + (inc ? kt * T : W - (kt + 1) * T);
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Forward
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t, int CS, int D, bool HORIZ>
+__device__ __forceinline__ void forward_ring(const PropagateParams& p, const BlockIndex& bi, float* line) {
+  using EL = Elem<scalar_t>;
+  using Bits = typename EL::bits;
+  const BlockView<Bits, CS> v(p, bi, HORIZ);
+  const int pp = p.pp;
+  Bits* const h = static_cast<Bits*>(p.h) + (bi.b * p.h_sb + bi.d * p.h_sd + (bi.grp * p.G + bi.sl * CS) * p.h_sc);
+
+  Bits rg[D][3], rx[D][CS], rl[D][CS];
+#define GSPN2_FWD_LOAD(j, s)                                                       \
+  if (v.active && (s) < v.S) {                                                     \
+    const int64_t o_ = v.template off<HORIZ>(s);                                   \
+    _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
+    _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
+      rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
+      rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
+    }                                                                              \
+  }
+#pragma unroll
+  for (int j = 0; j < D; ++j) {
+    GSPN2_FWD_LOAD(j, j)
+  }
+
+  int par = 0, sm = 0;
+  for (int s0 = 0; s0 < v.S; s0 += D) {
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const int s = s0 + j;
+      if (s >= v.S) break;
+      const bool restart = sm == 0;
+      const float* prev = line + par * CS * pp;
+      float* next = line + (par ^ 1) * CS * pp;
+      if (v.active) {
+        float w0 = 0.f, w1 = 0.f, w2 = 0.f;
+        if (!restart) {
+          const Gates gt = normalise(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
+          w0 = gt.a0 * gt.inv;
+          w1 = gt.s1 * gt.inv;
+          w2 = gt.a2 * gt.inv;
+        }
+        const int64_t o = v.template off<HORIZ>(s);
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          float hv = EL::load(rx[j][c]) * EL::load(rl[j][c]);
+          if (!restart) {
+            const float* pc = prev + c * pp + v.q;  // positions q - 1, q, q + 1 (halo-shifted by one)
+            hv = fmaf(w0, pc[0], hv);
+            hv = fmaf(w1, pc[1], hv);
+            hv = fmaf(w2, pc[2], hv);
+          }
+          next[c * pp + v.q + 1] = hv;
+          h[c * p.h_sc + o] = EL::store(hv);
+        }
+        GSPN2_FWD_LOAD(j, s + D)
+      }
+      __syncthreads();
+      par ^= 1;
+      sm = (sm + 1 == v.ce) ? 0 : sm + 1;
+    }
+  }
+#undef GSPN2_FWD_LOAD
+}
+
+template <typename scalar_t, int CS>
+__device__ __forceinline__ void forward_tile(const PropagateParams& p, const BlockIndex& bi, float* line,
+                                             unsigned char* stage_mem) {
+  using EL = Elem<scalar_t>;
+  using Bits = typename EL::bits;
+  using PK = Packed<Bits>;
+  constexpr int T = kFastTileF;
+  constexpr int VB = T * int(sizeof(Bits));
+  constexpr int NW = VB / 4;
+  const BlockView<Bits, CS> v(p, bi, true);
+  const int pp = p.pp;
+  Bits* const h = static_cast<Bits*>(p.h) + (bi.b * p.h_sb + bi.d * p.h_sd + (bi.grp * p.G + bi.sl * CS) * p.h_sc);
+  const Stage<VB> st{stage_mem, int(blockDim.x), v.q};
+  const int ntl = v.S / T;  // W % T == 0 (plan)
+
+  auto issue = [&](int kt) {
+    const int64_t o = v.template tile_off<T>(kt);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) st.copy(k, v.g + k * p.g_so + o);
+#pragma unroll
+    for (int c = 0; c < CS; ++c) {
+      st.copy(3 + c, v.x + c * p.x_sc + o);
+      st.copy(3 + CS + c, v.lam + c * p.lam_sc + o);
+    }
+  };
+
+  uint32_t tg[3][NW], tx[CS][NW], tl[CS][NW];
+  if (v.active) issue(0);
+  copy_async_commit();
+  int par = 0, sm = 0;
+  for (int kt = 0; kt < ntl; ++kt) {
+    if (v.active) {
+      copy_async_wait_all();
+#pragma unroll
+      for (int k = 0; k < 3; ++k) st.read(k, tg[k]);
+#pragma unroll
+      for (int c = 0; c < CS; ++c) {
+        st.read(3 + c, tx[c]);
+        st.read(3 + CS + c, tl[c]);
+      }
+      if (!v.inc) {  // element t is scan step kt * T + t
+#pragma unroll
+        for (int k = 0; k < 3; ++k) PK::reverse(tg[k]);
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          PK::reverse(tx[c]);
+          PK::reverse(tl[c]);
+        }
+      }
+      if (kt + 1 < ntl) issue(kt + 1);  // lands while this tile is computed
+      copy_async_commit();
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const bool restart = sm == 0;
+      const float* prev = line + par * CS * pp;
+      float* next = line + (par ^ 1) * CS * pp;
+      if (v.active) {
+        float w0 = 0.f, w1 = 0.f, w2 = 0.f;
+        if (!restart) {
+          const Gates gt = normalise(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
+                                     EL::load(PK::get(tg[2], t)), v.q, v.L);
+          w0 = gt.a0 * gt.inv;
+          w1 = gt.s1 * gt.inv;
+          w2 = gt.a2 * gt.inv;
+        }
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          float hv = EL::load(PK::get(tx[c], t)) * EL::load(PK::get(tl[c], t));
+          if (!restart) {
+            const float* pc = prev + c * pp + v.q;
+            hv = fmaf(w0, pc[0], hv);
+            hv = fmaf(w1, pc[1], hv);
+            hv = fmaf(w2, pc[2], hv);
+          }
+          next[c * pp + v.q + 1] = hv;
+          PK::put(tx[c], t, EL::store(hv));  // the output takes the place of x
+        }
+      }
+      __syncthreads();
+      par ^= 1;
+      sm = (sm + 1 == v.ce) ? 0 : sm + 1;
+    }
+    if (v.active) {
+      const int64_t o = v.template tile_off<T>(kt);
+#pragma unroll
+      for (int c = 0; c < CS; ++c) {
+        if (!v.inc) PK::reverse(tx[c]);
+        stg_words<NW>(h + c * p.h_sc + o, tx[c]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int CS, int NT>
+__global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_constant__ PropagateParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  // Ring depth (steps in flight per thread): big blocks have 64 registers per thread.
+  constexpr int D = NT > kFastSmallThreads ? 4 : CS <= 2 ? 8 : 4;
+  const BlockIndex bi = block_index(p);
+  if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
+  float* const line = reinterpret_cast<float*>(smem);
+  for (int i = threadIdx.x; i < 2 * CS * p.pp; i += blockDim.x) line[i] = 0.f;
+  __syncthreads();
+  if (bi.d < 2) {
+    if (p.tile_h) {
+      forward_tile<scalar_t, CS>(p, bi, line, smem + 2 * CS * p.pp * 4);
+    } else {
+      forward_ring<scalar_t, CS, D, true>(p, bi, line);
+    }
+  } else {
+    forward_ring<scalar_t, CS, D, false>(p, bi, line);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward: the reverse scan (see propagate_kernel.cu for the recurrence). Exchange line layout:
+// ex[parity][kind][c][pp], kinds 0..2 = C_o = w_o * adj of offsets -1, 0, +1; kind 3 = h_{s-1}.
+// ------------------------------------------------------------------------------------------------
+
+// Gate-logit gradients of one pixel from grad_w (through w_k = a_k / max(total, eps), a_k = mask_k *
+// sigmoid(g_k)).
+__device__ __forceinline__ void gate_grads(const Gates& gt, float gw0, float gw1, float gw2, int q, int L,
+                                           float& gg0, float& gg1, float& gg2) {
+  const float dot = (gw0 * gt.a0 + gw1 * gt.s1) + gw2 * gt.a2;
+  const float corr = gt.total >= kNormEps ? dot * gt.inv * gt.inv : 0.f;
+  gg0 = q > 0 ? (gw0 * gt.inv - corr) * (gt.s0 * (1.f - gt.s0)) : 0.f;
+  gg1 = (gw1 * gt.inv - corr) * (gt.s1 * (1.f - gt.s1));
+  gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * (gt.s2 * (1.f - gt.s2)) : 0.f;
+}
+
+// One reverse-scan step of one pixel: reads x, lam, grad_h of the CS channels and h_{s-1} from the
+// exchange line, writes C_o and (given) h_{s-2} for the next step; returns grad_lam, the grad_x term
+// and the gate-logit gradients.
+template <int CS>
+struct StepOut {
+  float glam[CS], gx[CS], gg[3];
+};
+
+template <int CS>
+__device__ __forceinline__ void backward_step(const float (&g)[3], const float (&xv)[CS], const float (&lv)[CS],
+                                              const float (&ghv)[CS], bool restart, bool has_next, int q, int L,
+                                              const float* rd, float* wr, int pp, StepOut<CS>& out) {
+  Gates gt = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f};
+  if (!restart) gt = normalise(g[0], g[1], g[2], q, L);
+  const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
+  float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
+#pragma unroll
+  for (int c = 0; c < CS; ++c) {
+    float adj = ghv[c];
+    if (has_next) {
+      // C_0 from q, C_-1 from q + 1, C_+1 from q - 1 (lines are halo-shifted by one).
+      adj += (rd[(1 * CS + c) * pp + q + 1] + rd[(0 * CS + c) * pp + q + 2]) + rd[(2 * CS + c) * pp + q];
+    }
+    out.glam[c] = xv[c] * adj;
+    out.gx[c] = lv[c] * adj;
+    if (!restart) {
+      const float* hr = rd + (3 * CS + c) * pp + q;
+      gw0 = fmaf(adj, hr[0], gw0);
+      gw1 = fmaf(adj, hr[1], gw1);
+      gw2 = fmaf(adj, hr[2], gw2);
+      wr[(0 * CS + c) * pp + q + 1] = w0 * adj;
+      wr[(1 * CS + c) * pp + q + 1] = w1 * adj;
+      wr[(2 * CS + c) * pp + q + 1] = w2 * adj;
+    }
+  }
+  out.gg[0] = out.gg[1] = out.gg[2] = 0.f;
+  if (!restart) gate_grads(gt, gw0, gw1, gw2, q, L, out.gg[0], out.gg[1], out.gg[2]);
+}
+
+// Output pointers of a block (q = 0, scan index 0).
+template <typename Bits, int CS>
+struct BackwardOut {
+  Bits* glam;
+  float* gx;
+  Bits* gg;       // nsl == 1: the gate gradients in the input dtype
+  float* gg_part; // nsl > 1: this slice's fp32 partials
+  __device__ __forceinline__ BackwardOut(const PropagateParams& p, const BlockIndex& bi) {
+    const int c0 = bi.grp * p.G + bi.sl * CS;
+    glam = static_cast<Bits*>(p.grad_lam) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
+    gx = p.grad_x_part + (bi.d * p.gxp_sd + bi.b * p.x_sb + c0 * p.x_sc);
+    const int64_t goff = bi.b * p.g_sb + bi.d * p.g_sd + bi.grp * p.g_sk;
+    gg = static_cast<Bits*>(p.grad_gates) + goff;
+    gg_part = p.nsl > 1 ? p.grad_gates_part + bi.sl * p.ggp_ssl + goff : nullptr;
+  }
+};
+
+template <typename scalar_t, int CS, int D, bool HORIZ>
+__device__ __forceinline__ void backward_ring(const PropagateParams& p, const BlockIndex& bi, float* ex) {
+  using EL = Elem<scalar_t>;
+  using Bits = typename EL::bits;
+  static_assert(D >= 3, "the ring must hold h two steps ahead");
+  const BlockView<Bits, CS> v(p, bi, HORIZ);
+  const BackwardOut<Bits, CS> out(p, bi);
+  const int pp = p.pp;
+  const int c0 = bi.grp * p.G + bi.sl * CS;
+  const Bits* const gh = static_cast<const Bits*>(p.grad_h) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
+  const Bits* const hs = static_cast<const Bits*>(p.h_saved) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
+  const bool part = p.nsl > 1;
+
+  // Slot j holds processing index i (scan step s = S - 1 - i) with i % D == j.
+  Bits rg[D][3], rx[D][CS], rl[D][CS], rgh[D][CS], rh[D][CS];
+#define GSPN2_BWD_LOAD(j, i)                                                       \
+  if (v.active && (i) < v.S) {                                                     \
+    const int64_t o_ = v.template off<HORIZ>(v.S - 1 - (i));                       \
+    _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
+    _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
+      rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
+      rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
+      rgh[j][c] = ldg_bits(gh + c * p.h_sc + o_);                                  \
+      rh[j][c] = ldg_bits(hs + c * p.h_sc + o_);                                   \
+    }                                                                              \
+  }
+#pragma unroll
+  for (int j = 0; j < D; ++j) {
+    GSPN2_BWD_LOAD(j, j)
+  }
+  // The first step (s = S - 1) reads h_{S-2}: write it before the loop.
+  if (v.active && v.S >= 2) {
+#pragma unroll
+    for (int c = 0; c < CS; ++c) ex[(3 * CS + c) * pp + v.q + 1] = EL::load(rh[1][c]);
+  }
+  __syncthreads();
+
+  int par = 0;
+  int sm = (v.S - 1) % v.ce;  // s % ce of the step being processed
+  for (int i0 = 0; i0 < v.S; i0 += D) {
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const int i = i0 + j;
+      if (i >= v.S) break;
+      const int s = v.S - 1 - i;
+      const bool restart = sm == 0;
+      const bool has_next = i > 0 && sm + 1 != v.ce;
+      const float* rd = ex + par * 4 * CS * pp;
+      float* wr = ex + (par ^ 1) * 4 * CS * pp;
+      if (v.active) {
+        float g[3], xv[CS], lv[CS], ghv[CS];
+#pragma unroll
+        for (int k = 0; k < 3; ++k) g[k] = EL::load(rg[j][k]);
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          xv[c] = EL::load(rx[j][c]);
+          lv[c] = EL::load(rl[j][c]);
+          ghv[c] = EL::load(rgh[j][c]);
+        }
+        StepOut<CS> r;
+        backward_step<CS>(g, xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
+        if (i + 2 < v.S) {  // h_{s-2} for the next step
+#pragma unroll
+          for (int c = 0; c < CS; ++c) wr[(3 * CS + c) * pp + v.q + 1] = EL::load(rh[(j + 2) % D][c]);
+        }
+        const int64_t o = v.template off<HORIZ>(s);
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          out.glam[c * p.h_sc + o] = EL::store(r.glam[c]);
+          out.gx[c * p.x_sc + o] = r.gx[c];
+        }
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+          if (part) {
+            out.gg_part[k * p.g_so + o] = r.gg[k];
+          } else {
+            out.gg[k * p.g_so + o] = EL::store(r.gg[k]);
+          }
+        }
+        GSPN2_BWD_LOAD(j, i + D)
+      }
+      __syncthreads();
+      par ^= 1;
+      sm = (sm == 0) ? v.ce - 1 : sm - 1;
+    }
+  }
+#undef GSPN2_BWD_LOAD
+}
+
+template <typename scalar_t, int CS>
+__device__ __forceinline__ void backward_tile(const PropagateParams& p, const BlockIndex& bi, float* ex,
+                                              unsigned char* stage_mem, unsigned char* out_mem) {
+  using EL = Elem<scalar_t>;
+  using Bits = typename EL::bits;
+  using PK = Packed<Bits>;
+  constexpr int T = kFastTileB;
+  constexpr int VB = T * int(sizeof(Bits));
+  constexpr int NW = VB / 4;
+  const BlockView<Bits, CS> v(p, bi, true);
+  const BackwardOut<Bits, CS> out(p, bi);
+  const int pp = p.pp;
+  const int c0 = bi.grp * p.G + bi.sl * CS;
+  const Bits* const gh = static_cast<const Bits*>(p.grad_h) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
+  const Bits* const hs = static_cast<const Bits*>(p.h_saved) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
+  const bool part = p.nsl > 1;
+  const Stage<VB> st{stage_mem, int(blockDim.x), v.q};
+  const int nthr = blockDim.x;
+  const int ntl = v.S / T;  // W % T == 0 (plan)
+  // Stage planes: 0..2 gates, then CS each of x, lam, grad_h, h.
+  const int kh = 3 + 3 * CS;
+
+  auto issue = [&](int kt) {
+    const int64_t o = v.template tile_off<T>(kt);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) st.copy(k, v.g + k * p.g_so + o);
+#pragma unroll
+    for (int c = 0; c < CS; ++c) {
+      st.copy(3 + c, v.x + c * p.x_sc + o);
+      st.copy(3 + CS + c, v.lam + c * p.lam_sc + o);
+      st.copy(3 + 2 * CS + c, gh + c * p.h_sc + o);
+      st.copy(kh + c, hs + c * p.h_sc + o);
+    }
+  };
+
+  uint32_t tg[3][NW], tx[CS][NW], tl[CS][NW], tgh[CS][NW], th[CS][NW];
+  if (v.active) issue(ntl - 1);
+  copy_async_commit();
+  int par = 0;
+  int sm = (v.S - 1) % v.ce;
+  for (int m = 0; m < ntl; ++m) {
+    const int kt = ntl - 1 - m;  // tiles from the end of the scan
+    if (v.active) {
+      copy_async_wait_all();
+#pragma unroll
+      for (int k = 0; k < 3; ++k) st.read(k, tg[k]);
+#pragma unroll
+      for (int c = 0; c < CS; ++c) {
+        st.read(3 + c, tx[c]);
+        st.read(3 + CS + c, tl[c]);
+        st.read(3 + 2 * CS + c, tgh[c]);
+        st.read(kh + c, th[c]);
+      }
+      if (!v.inc) {  // element t is scan step kt * T + t
+#pragma unroll
+        for (int k = 0; k < 3; ++k) PK::reverse(tg[k]);
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          PK::reverse(tx[c]);
+          PK::reverse(tl[c]);
+          PK::reverse(tgh[c]);
+          PK::reverse(th[c]);
+        }
+      }
+      if (kt > 0) issue(kt - 1);
+      copy_async_commit();
+    }
+    if (m == 0) {  // the first step (s = S - 1 = element T - 1) reads h_{S-2} = element T - 2
+      if (v.active) {
+#pragma unroll
+        for (int c = 0; c < CS; ++c) ex[(3 * CS + c) * pp + v.q + 1] = EL::load(PK::get(th[c], T - 2));
+      }
+      __syncthreads();
+    }
+    // Outputs wait in a per-thread output stage, element (plane, t) of thread q at (plane * T + t) *
+    // nthreads + q (conflict-free stores), until the tile is written as vectors: holding them in
+    // registers would spill.
+    Bits* const o_lam = reinterpret_cast<Bits*>(out_mem);
+    float* const o_f = reinterpret_cast<float*>(out_mem + align16(CS * T * nthr * int(sizeof(Bits))));
+#pragma unroll
+    for (int t = T - 1; t >= 0; --t) {
+      const int s = kt * T + t;
+      const bool restart = sm == 0;
+      const bool has_next = s < v.S - 1 && sm + 1 != v.ce;
+      const float* rd = ex + par * 4 * CS * pp;
+      float* wr = ex + (par ^ 1) * 4 * CS * pp;
+      if (v.active) {
+        float g[3], xv[CS], lv[CS], ghv[CS];
+#pragma unroll
+        for (int k = 0; k < 3; ++k) g[k] = EL::load(PK::get(tg[k], t));
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          xv[c] = EL::load(PK::get(tx[c], t));
+          lv[c] = EL::load(PK::get(tl[c], t));
+          ghv[c] = EL::load(PK::get(tgh[c], t));
+        }
+        StepOut<CS> r;
+        backward_step<CS>(g, xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
+        if (s >= 2) {  // h_{s-2} for the next step: this tile's element t - 2, or the next tile's
+#pragma unroll
+          for (int c = 0; c < CS; ++c) {
+            float hv;
+            if (t >= 2) {
+              hv = EL::load(PK::get(th[c], t - 2));
+            } else {
+              if (t == 1) copy_async_wait_all();  // tile kt - 1 has landed in the stage
+              const int u = T - 2 + t;            // its element holding scan step s - 2
+              hv = EL::load(st.template peek<Bits>(kh + c, v.inc ? u : T - 1 - u));
+            }
+            wr[(3 * CS + c) * pp + v.q + 1] = hv;
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+          o_lam[(c * T + t) * nthr + v.q] = EL::store(r.glam[c]);
+          o_f[(c * T + t) * nthr + v.q] = r.gx[c];
+        }
+#pragma unroll
+        for (int k = 0; k < 3; ++k) o_f[((CS + k) * T + t) * nthr + v.q] = r.gg[k];
+      }
+      __syncthreads();
+      par ^= 1;
+      sm = (sm == 0) ? v.ce - 1 : sm - 1;
+    }
+    if (v.active) {  // memory order: element t of the stage is scan step kt * T + t
+      const int64_t o = v.template tile_off<T>(kt);
+      auto at = [&](int t) { return v.inc ? t : T - 1 - t; };
+#pragma unroll
+      for (int c = 0; c < CS; ++c) {
+        uint32_t w[NW];
+        float f[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          PK::put(w, t, o_lam[(c * T + at(t)) * nthr + v.q]);
+          f[t] = o_f[(c * T + at(t)) * nthr + v.q];
+        }
+        stg_words<NW>(out.glam + c * p.h_sc + o, w);
+        stg_floats<T>(out.gx + c * p.x_sc + o, f);
+      }
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        float f[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) f[t] = o_f[((CS + k) * T + at(t)) * nthr + v.q];
+        if (part) {
+          stg_floats<T>(out.gg_part + k * p.g_so + o, f);
+        } else {
+          uint32_t w[NW];
+#pragma unroll
+          for (int t = 0; t < T; ++t) PK::put(w, t, EL::store(f[t]));
+          stg_words<NW>(out.gg + k * p.g_so + o, w);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int CS, int NT>
+__global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_constant__ PropagateParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int D = NT > kFastSmallThreads ? 3 : 4;
+  const BlockIndex bi = block_index(p);
+  if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
+  float* const ex = reinterpret_cast<float*>(smem);
+  for (int i = threadIdx.x; i < 2 * 4 * CS * p.pp; i += blockDim.x) ex[i] = 0.f;
+  __syncthreads();
+  if (bi.d < 2) {
+    if (p.tile_h) {
+      constexpr int T = kFastTileB;
+      constexpr int esize = int(sizeof(typename Elem<scalar_t>::bits));
+      unsigned char* const stage = smem + 2 * 4 * CS * p.pp * 4;
+      backward_tile<scalar_t, CS>(p, bi, ex, stage, stage + blockDim.x * (3 + 4 * CS) * T * esize);
+    } else {
+      backward_ring<scalar_t, CS, D, true>(p, bi, ex);
+    }
+  } else {
+    backward_ring<scalar_t, CS, D, false>(p, bi, ex);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Launch
+// ------------------------------------------------------------------------------------------------
+
+template <typename Kernel>
+void launch(Kernel kernel, const PropagateParams& p, cudaStream_t stream) {
+  if (p.smem_bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem_bytes));
+  }
+  kernel<<<dim3(4 * p.B * p.K * p.nsl), dim3(p.nt), p.smem_bytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t>
+void forward_fast_impl(const PropagateParams& p, cudaStream_t stream) {
+  if (p.nt > kFastSmallThreads) {
+    launch(gspn_forward_fast_kernel<scalar_t, 1, kFastMaxLine>, p, stream);
+  } else if (p.cs == 4) {
+    launch(gspn_forward_fast_kernel<scalar_t, 4, kFastSmallThreads>, p, stream);
+  } else if (p.cs == 2) {
+    launch(gspn_forward_fast_kernel<scalar_t, 2, kFastSmallThreads>, p, stream);
+  } else {
+    launch(gspn_forward_fast_kernel<scalar_t, 1, kFastSmallThreads>, p, stream);
+  }
+}
+
+template <typename scalar_t>
+void backward_fast_impl(const PropagateParams& p, cudaStream_t stream) {
+  if (p.nt > kFastSmallThreads) {
+    launch(gspn_backward_fast_kernel<scalar_t, 1, kFastMaxLine>, p, stream);
+  } else if (p.cs == 4) {
+    launch(gspn_backward_fast_kernel<scalar_t, 4, kFastSmallThreads>, p, stream);
+  } else if (p.cs == 2) {
+    launch(gspn_backward_fast_kernel<scalar_t, 2, kFastSmallThreads>, p, stream);
+  } else {
+    launch(gspn_backward_fast_kernel<scalar_t, 1, kFastSmallThreads>, p, stream);
+  }
+  launch_backward_reduce(p, stream);
+}
+
+}  // namespace
+
+void launch_forward_fast(const PropagateParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case ScalarType::Float: forward_fast_impl<float>(p, stream); break;
+    case ScalarType::Half: forward_fast_impl<__half>(p, stream); break;
+    case ScalarType::BFloat16: forward_fast_impl<__nv_bfloat16>(p, stream); break;
+  }
+}
+
+void launch_backward_fast(const PropagateParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case ScalarType::Float: backward_fast_impl<float>(p, stream); break;
+    case ScalarType::Half: backward_fast_impl<__half>(p, stream); break;
+    case ScalarType::BFloat16: backward_fast_impl<__nv_bfloat16>(p, stream); break;
+  }
+}
+
+}  // namespace gspn2
