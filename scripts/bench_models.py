@@ -148,8 +148,10 @@ def environment() -> dict:
 
 
 def _gspn2_backend() -> str:
-    describe = getattr(gspn2.ops, "describe_backend", None)
-    return describe() if describe is not None else "unknown"
+    from gspn2.ops import _cuda
+
+    built = "built" if _cuda.extension_available() else "not built"
+    return f"GSPN2_BACKEND={_cuda.backend()}, GSPN2_KERNEL={_cuda.kernel_family()}, extension {built}"
 
 
 def to_markdown(results: list[Result], env: dict) -> str:

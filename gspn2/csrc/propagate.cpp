@@ -83,7 +83,7 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
 // multiple of the tile and it fits. GSPN2_KERNEL=general forces the general kernels (tests, comparisons).
-bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit) {
+bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit, int nsm) {
   const char* forced = std::getenv("GSPN2_KERNEL");
   const std::string kind = forced ? forced : "auto";
   GSPN2_CHECK(kind == "auto" || kind == "fast" || kind == "general",
@@ -98,10 +98,12 @@ bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit) {
   const int esize = element_size(p.dtype);
   p.kernel = 2;
   p.nt = round_up(lmax, 32);
+  // The widest slice (gates read by fewer blocks) that still gives every SM a block; one channel per
+  // block when even that leaves SMs idle (B = 1 with shared gates).
   p.cs = 1;
   if (p.nt <= kFastSmallThreads) {
     for (const int cs : {4, 2}) {
-      if (p.G % cs == 0) {
+      if (p.G % cs == 0 && int64_t(4) * p.B * p.K * (p.G / cs) >= nsm) {
         p.cs = cs;
         break;
       }
@@ -145,7 +147,7 @@ void make_plan(PropagateParams& p, bool backward) {
     }
   }
   cudaGetLastError();  // no device here (planning only): keep the defaults
-  if (make_plan_fast(p, backward, smem_limit)) return;
+  if (make_plan_fast(p, backward, smem_limit, nsm)) return;
   p.kernel = 1;
   auto score = [&](const PropagateParams& q) {
     const int64_t blocks = int64_t(4) * q.B * q.K * q.nsl;

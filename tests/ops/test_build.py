@@ -35,7 +35,10 @@ def test_extension_built_and_imports():
 def test_kernel_choice(monkeypatch):
     """Planning needs no GPU: lines of up to 1024 pixels take the streaming kernels, longer ones the
     general kernels; GSPN2_KERNEL forces a family and is validated."""
-    assert _cuda.plan(128, 2, 56, 56, 1, "bfloat16")["kernel"] == "fast"
+    model = _cuda.plan(128, 2, 56, 56, 1, "bfloat16")
+    assert model["kernel"] == "fast" and model["cs"] == 2 and model["blocks"] == 512
+    # Few blocks (B = 1, shared gates): one channel per block rather than idle SMs.
+    assert _cuda.plan(1, 8, 256, 256, 1, "float32")["cs"] == 1
     big = _cuda.plan(16, 2, 1024, 1024, 2, "float32")
     assert big["kernel"] == "fast" and big["threads"] == 1024 and big["cs"] == 1 and big["tile_h"]
     assert _cuda.plan(1, 2, 1100, 3, 1, "float32")["kernel"] == "general"

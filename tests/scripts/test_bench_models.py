@@ -58,3 +58,9 @@ def test_refuses_to_run_without_a_gpu(bench, monkeypatch):
     monkeypatch.setattr("sys.argv", ["bench_models.py", "--models", "gspn2_tiny"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main()
+
+
+def test_environment_names_the_gspn2_backend(bench, monkeypatch):
+    monkeypatch.setenv("GSPN2_KERNEL", "general")
+    described = bench._gspn2_backend()
+    assert "GSPN2_BACKEND=auto" in described and "GSPN2_KERNEL=general" in described
