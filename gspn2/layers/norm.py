@@ -24,11 +24,12 @@ def layer_norm_last_dim(
 
     Shapes: ``(..., C) -> (..., C)``; ``weight`` and ``bias`` are ``(C,)`` or None.
     """
-    if torch.is_autocast_enabled(x.device.type):
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dt = x.dtype
         weight = weight.to(dt) if weight is not None else None
         bias = bias.to(dt) if bias is not None else None
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(device_type, enabled=False):
             return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 

@@ -14,6 +14,8 @@ autograd keeping both the activation's input and output alive until backward.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional, Tuple, Union
 
 import torch
@@ -83,6 +85,13 @@ def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tenso
     return t.to(dtype) if t is not None else None
 
 
+def _autocast_off(device_type: str):
+    """Autocast disabled for ``device_type`` (a no-op context where autocast does not exist, e.g. meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _GeluLinear(torch.autograd.Function):
     """``F.linear(F.gelu(h), weight, bias)`` saving ``h`` only; ``gelu(h)`` is recomputed in backward."""
 
@@ -97,7 +106,7 @@ class _GeluLinear(torch.autograd.Function):
         h, weight = ctx.saved_tensors
         grad_h = grad_w = grad_b = None
         # All inputs share one dtype (see gelu_linear); an enclosing autocast must not change that.
-        with torch.autocast(h.device.type, enabled=False):
+        with _autocast_off(h.device.type):
             if ctx.needs_input_grad[0]:
                 grad_h = torch.ops.aten.gelu_backward(grad_out @ weight, h)
             if ctx.needs_input_grad[1]:
@@ -121,7 +130,7 @@ class _SiluGateLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         n, z, weight = ctx.saved_tensors
         grad_n = grad_z = grad_w = grad_b = None
-        with torch.autocast(n.device.type, enabled=False):
+        with _autocast_off(n.device.type):
             s = F.silu(z)
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
                 grad_m = grad_out @ weight

@@ -268,3 +268,14 @@ def test_builds_on_meta_device():
     with torch.device("meta"):
         model = timm.create_model("gspn2_tiny", num_classes=10)
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_forward_backward_on_meta_device(fast_path):
+    """Shape inference on meta tensors (no data): the forward and backward dispatch without computing."""
+    model = timm.create_model("gspn2_micro", num_classes=10, fast_path=fast_path).to("meta")
+    x = torch.empty(2, 3, 32, 40, device="meta").requires_grad_()
+    y = model(x.contiguous(memory_format=torch.channels_last))
+    assert y.shape == (2, 10) and y.device.type == "meta"
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert gx.shape == x.shape

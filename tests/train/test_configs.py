@@ -137,6 +137,15 @@ def test_model_config_spells_out_the_registered_variant(variant):
     assert shapes == {k: tuple(v.shape) for k, v in registered.state_dict().items()}
 
 
+def test_fast_path_is_one_override():
+    """The model configs spell out `fast_path`; `model.args.fast_path=false` builds the reference blocks."""
+    for value in (True, False):
+        cfg = compose_cfg(["model=gspn2_micro", f"model.args.fast_path={str(value).lower()}"])
+        model = build_model(cfg.model, cfg.data.num_classes)
+        mixer = model.stages[0].blocks[0].mixer
+        assert mixer.in_proj.fast_path is value
+
+
 def test_eval_config_composes():
     cfg = compose_cfg(
         ["checkpoint=/x.pt", "ema=true", "img_size=48", "data.root=/d"],
