@@ -22,6 +22,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
+from gspn2.benchmark import median_ms
 
 FP32_TOLERANCE = 1e-4
 
@@ -70,21 +71,6 @@ def compare(name: str) -> dict:
     return out
 
 
-def _time_cuda(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def measure(name: str, fast_path: bool, mode: str, args) -> dict:
     model = _build(name, fast_path, None)  # same seed: the same weights for both paths
     fwd = torch.compile(model) if mode == "compile" else model
@@ -97,7 +83,7 @@ def measure(name: str, fast_path: bool, mode: str, args) -> dict:
             with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
                 fwd(x)
 
-        ms = _time_cuda(infer, args.warmup, args.iters)
+        ms = median_ms(infer, args.warmup, args.iters)
         row["infer_img_per_s"] = args.infer_batch / ms * 1e3
 
         model.train()
@@ -116,7 +102,7 @@ def measure(name: str, fast_path: bool, mode: str, args) -> dict:
             train()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        ms = _time_cuda(train, args.warmup, args.iters)
+        ms = median_ms(train, args.warmup, args.iters)
         row["train_img_per_s"] = args.train_batch / ms * 1e3
         row["train_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
     except torch.OutOfMemoryError as exc:

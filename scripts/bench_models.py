@@ -22,6 +22,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
+from gspn2.benchmark import median_ms
 
 DEFAULT_MODELS = [
     "gspn2_tiny",
@@ -63,23 +64,6 @@ def _create(name: str, resolution: int) -> torch.nn.Module:
     return timm.create_model(name, num_classes=1000, **kwargs)
 
 
-def _time_cuda(fn, warmup: int, iters: int) -> float:
-    """Median milliseconds per call, CUDA events around each call after warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def bench_infer(name: str, mode: str, resolution: int, batch: int, warmup: int, iters: int) -> Result:
     model = _create(name, resolution).cuda().eval().to(memory_format=torch.channels_last)
     res = Result(name, "infer", mode, resolution, batch, sum(p.numel() for p in model.parameters()) / 1e6)
@@ -91,7 +75,7 @@ def bench_infer(name: str, mode: str, resolution: int, batch: int, warmup: int, 
             fwd(x)
 
     torch.cuda.reset_peak_memory_stats()
-    ms = _time_cuda(step, warmup, iters)
+    ms = median_ms(step, warmup, iters)
     res.ms_per_iter, res.img_per_s = ms, batch / ms * 1e3
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
     return res
@@ -117,7 +101,7 @@ def bench_train(name: str, mode: str, resolution: int, batch: int, warmup: int, 
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    ms = _time_cuda(step, warmup, iters)
+    ms = median_ms(step, warmup, iters)
     res.ms_per_iter, res.img_per_s = ms, batch / ms * 1e3
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
     return res
