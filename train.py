@@ -52,7 +52,7 @@ from gspn2.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from gspn2.train.config import TrainConfig, register_configs, validate
+from gspn2.train.config import COMPILE_MODES, TrainConfig, register_configs, validate
 from gspn2.train.data import (
     build_dataset,
     build_eval_loader,
@@ -104,6 +104,8 @@ def train(cfg: DictConfig) -> Path:
     configure_torch(device, tf32=cfg.trainer.tf32, cpu_threads=cfg.trainer.cpu_threads)
     precision = cfg.trainer.precision
     accum = cfg.trainer.accum_steps
+    if cfg.trainer.compile_mode not in COMPILE_MODES:
+        raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {cfg.trainer.compile_mode!r}")
 
     # decided once on rank 0 and broadcast: every rank writes to and resumes from the same place
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None
@@ -209,7 +211,7 @@ def train(cfg: DictConfig) -> Path:
 
     train_model: nn.Module = model
     if cfg.trainer.compile:
-        train_model = torch.compile(train_model)
+        train_model = torch.compile(train_model, mode=cfg.trainer.compile_mode)
     if info.enabled:
         train_model = DistributedDataParallel(
             train_model,

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from timm.layers import LayerNorm2d as _TimmLayerNorm2d
 
+from gspn2.layers._amp import autocast_enabled
+
 __all__ = ["LayerNorm2d", "layer_norm_last_dim"]
 
 
@@ -25,7 +27,7 @@ def layer_norm_last_dim(
     Shapes: ``(..., C) -> (..., C)``; ``weight`` and ``bias`` are ``(C,)`` or None.
     """
     device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         dt = x.dtype
         weight = weight.to(dt) if weight is not None else None
         bias = bias.to(dt) if bias is not None else None

@@ -14,13 +14,13 @@ autograd keeping both the activation's input and output alive until backward.
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from gspn2.layers._amp import autocast_off
 
 __all__ = ["Conv1x1", "from_rows", "gelu_linear", "silu_gate_linear", "to_rows"]
 
@@ -85,13 +85,6 @@ def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tenso
     return t.to(dtype) if t is not None else None
 
 
-def _autocast_off(device_type: str):
-    """Autocast disabled for ``device_type`` (a no-op context where autocast does not exist, e.g. meta)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 class _GeluLinear(torch.autograd.Function):
     """``F.linear(F.gelu(h), weight, bias)`` saving ``h`` only; ``gelu(h)`` is recomputed in backward."""
 
@@ -106,7 +99,7 @@ class _GeluLinear(torch.autograd.Function):
         h, weight = ctx.saved_tensors
         grad_h = grad_w = grad_b = None
         # All inputs share one dtype (see gelu_linear); an enclosing autocast must not change that.
-        with _autocast_off(h.device.type):
+        with autocast_off(h.device.type):
             if ctx.needs_input_grad[0]:
                 grad_h = torch.ops.aten.gelu_backward(grad_out @ weight, h)
             if ctx.needs_input_grad[1]:
@@ -130,7 +123,7 @@ class _SiluGateLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         n, z, weight = ctx.saved_tensors
         grad_n = grad_z = grad_w = grad_b = None
-        with _autocast_off(n.device.type):
+        with autocast_off(n.device.type):
             s = F.silu(z)
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
                 grad_m = grad_out @ weight

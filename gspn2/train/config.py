@@ -102,6 +102,10 @@ class EmaConfig:
     mesa_start_epoch: int = 0
 
 
+#: ``trainer.compile_mode`` values: torch.compile's modes.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainerConfig:
     epochs: int = 300
@@ -110,6 +114,8 @@ class TrainerConfig:
     accum_steps: int = 1  # micro-batches per optimizer step
     channels_last: bool = True
     compile: bool = False  # torch.compile the model
+    # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     grad_checkpointing: bool = False  # model.set_grad_checkpointing(True)
     tf32: bool = True
     cpu_threads: Optional[int] = None  # torch intra-op threads on CPU runs (null: torch's default)

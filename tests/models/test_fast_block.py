@@ -243,6 +243,23 @@ def test_compile_fullgraph_traces_the_block():
         torch.testing.assert_close(compiled(xb), fast(xb))
 
 
+def test_compile_fullgraph_under_autocast_training():
+    """The autocast queries of the fast path (LayerNorm dtype, the recomputing functions' backward) trace
+    without a graph break under autocast, forward and backward: torch 2.11's Dynamo broke the graph at
+    ``torch.amp.is_autocast_available`` in every LayerNorm and then recompiled per channel count."""
+    fast, _ = _pair(lambda: GSPN2Block(8))
+    fast.train()
+    compiled = torch.compile(fast, fullgraph=True, backend="aot_eager")
+    x = _images((1, 8, 5, 7), channels_last=True).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+        ref = fast(x)
+    torch.testing.assert_close(out, ref)
+    (grad,) = torch.autograd.grad(out.float().sum(), x)
+    (grad_ref,) = torch.autograd.grad(ref.float().sum(), x)
+    torch.testing.assert_close(grad, grad_ref)
+
+
 @pytest.mark.parametrize("out_chunks,match", [(0, "`out_chunks`"), (5, "`out_chunks` \\(5\\) must divide")])
 def test_conv1x1_bad_out_chunks(out_chunks, match):
     with pytest.raises(ValueError, match=match):

@@ -60,3 +60,19 @@ def test_compile_fullgraph_forward_backward(channels_last, no_tf32):
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-4, f"compiled vs eager: max error {err:.2e} of the largest logit"
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_compile_fullgraph_bf16_autocast_training():
+    """The training setting of bench_models.py and train.py (bf16 autocast, channels_last) compiles into
+    one graph: on torch 2.11 an untraceable autocast query once broke the graph at every LayerNorm."""
+    torch.manual_seed(0)
+    model = timm.create_model("gspn2_micro", num_classes=10).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = compiled(x)
+        ref = model(x)
+    out.float().sum().backward()
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < 3e-2, f"compiled vs eager under bf16 autocast: max error {err:.2e} of the largest logit"
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

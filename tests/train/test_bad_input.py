@@ -145,3 +145,11 @@ def test_cli_unknown_key_and_missing_data(finished_run, tmp_path):
     )
     assert nodata.returncode != 0 and str(missing) in nodata.stderr
     assert _snapshot(finished_run) == before
+
+
+def test_unknown_compile_mode_names_the_key(train_script, digits_root, tmp_path):
+    cfg = compose_cfg([*TINY, f"data.root={digits_root}", f"runs_root={tmp_path / 'runs'}",
+                       "trainer.compile=true", "trainer.compile_mode=fastest"])
+    with pytest.raises(ValueError, match=r"trainer.compile_mode must be one of .*'reduce-overhead'.*'fastest'"):
+        train_script.train(cfg)
+    assert not (tmp_path / "runs").exists()

@@ -10,7 +10,7 @@ import timm
 import yaml
 
 from gspn2.train.checkpoint import load_checkpoint
-from tests.train._helpers import CONFIGS, compose_cfg, last_line, run_cli
+from tests.train._helpers import CONFIGS, TINY, compose_cfg, last_line, run_cli
 
 
 def test_prints_counts_epochs_and_ends_with_the_run_dir(short_run):
@@ -104,3 +104,19 @@ def test_eval_any_timm_model_by_name(digits_root, eval_script, tmp_path):
     reference = timm.create_model("resnet18")
     assert ev["params"] == sum(p.numel() for p in reference.parameters())
     assert ev["model"] == "resnet18" and ev["macs"] > 0
+
+
+def test_compile_mode_reaches_torch_compile(train_script, digits_root, tmp_path, monkeypatch):
+    """``trainer.compile=true trainer.compile_mode=...`` compiles the training model with that mode (the
+    compiler itself is replaced by a recorder: compiling on a 2-core CPU would take minutes)."""
+    calls = []
+
+    def fake_compile(model, mode=None, **kwargs):
+        calls.append((type(model).__name__, mode))
+        return model
+
+    monkeypatch.setattr(train_script.torch, "compile", fake_compile)
+    cfg = compose_cfg([*TINY, f"data.root={digits_root}", f"runs_root={tmp_path / 'runs'}", "trainer.epochs=1",
+                       "trainer.limit_train_steps=1", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"])
+    train_script.train(cfg)
+    assert calls == [("GSPN2", "reduce-overhead")]

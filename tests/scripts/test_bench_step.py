@@ -1,0 +1,67 @@
+"""The CPU-testable parts of scripts/bench_step.py (the timings need a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_model_specs(bench):
+    assert bench._check_spec("gspn2_micro") == ("gspn2_micro", {})
+    assert bench._check_spec("gspn2_micro:ref") == ("gspn2_micro", {"fast_path": False})
+    model = bench._create("gspn2_micro:ref")
+    assert not model.stages[0].blocks[0].mixer.fast_path
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [("nope_net", "unknown timm model 'nope_net'"), ("gspn2_micro:fast", "unknown variant 'fast'"),
+     ("resnet18:ref", "':ref' applies to gspn2_\\* models only")],
+)
+def test_bad_model_names_the_argument(bench, spec, match, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench_step.py", "--models", spec])
+    with pytest.raises(SystemExit, match=f"--models: {match}"):
+        bench.main()
+
+
+@pytest.mark.parametrize("flag,value", [("--batch", "0"), ("--iters", "0"), ("--repeats", "0"), ("--warmup", "-1")])
+def test_bad_counts_name_the_argument(bench, flag, value, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench_step.py", flag, value])
+    with pytest.raises(SystemExit, match=flag):
+        bench.main()
+
+
+def test_summary_takes_medians_over_rounds(bench):
+    rows = [
+        {"model": "a", "eager_ms": 100.0, "host_ms": 90.0, "graph_ms": 50.0},
+        {"model": "a", "eager_ms": 120.0, "host_ms": 80.0, "graph_ms": 70.0},
+        {"model": "b", "error": "boom"},
+    ]
+    table = bench.summarize(rows, ["a", "b"], batch=128).splitlines()
+    # medians 110 / 85 / 60 ms: 1164 and 2133 img/s, eager 1.83x the graph
+    assert table[2] == "| a | 110.00 | 85.00 | 60.00 | 1164 | 2133 | 1.83 |"
+    assert table[3].startswith("| b | failed")
+
+
+def test_refuses_to_run_without_a_gpu(bench, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only refusal")
+    monkeypatch.setattr("sys.argv", ["bench_step.py", "--models", "gspn2_micro"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main()
