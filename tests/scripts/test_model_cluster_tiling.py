@@ -50,3 +50,25 @@ def test_bad_arguments_are_named(tiling, kwargs, match):
     args = {"rows": 2, "T": 2, "halo": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
         tiling.tiled_scan(x, lam, w, None, **args)
+
+
+@pytest.mark.parametrize(
+    "L,S,rows,T,chunk",
+    [(33, 21, 5, 4, None), (33, 21, 5, 4, 7), (16, 16, 4, 8, 3), (7, 5, 16, 3, None), (1, 9, 4, 2, None),
+     (20, 17, 6, 1, 5)],
+)
+def test_adjoint_with_halo_of_t_rows_is_exact(tiling, L, S, rows, T, chunk):
+    grad_h, _, _ = tiling.random_problem(2, L, S, seed=L * S)
+    logits = tiling.random_logits(2, L, S, seed=L * S)
+    got = tiling.tiled_adjoint(grad_h, tiling.weights(logits), chunk, rows, T, halo=T)
+    torch.testing.assert_close(got, tiling.reference_adjoint(grad_h, logits, chunk), rtol=0, atol=1e-12)
+
+
+def test_adjoint_needs_one_row_less(tiling):
+    """The backward's tile start already reads one row beyond the extended region (the adjoint that
+    scatters into it), so T - 1 halo rows are exact and T - 2 are caught."""
+    grad_h, _, _ = tiling.random_problem(2, 33, 21, seed=5)
+    logits = tiling.random_logits(2, 33, 21, seed=5)
+    w, ref = tiling.weights(logits), tiling.reference_adjoint(grad_h, logits, None)
+    torch.testing.assert_close(tiling.tiled_adjoint(grad_h, w, None, 5, 4, halo=3), ref, rtol=0, atol=1e-12)
+    assert torch.isnan(tiling.tiled_adjoint(grad_h, w, None, 5, 4, halo=2)).any()
