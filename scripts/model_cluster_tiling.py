@@ -31,6 +31,14 @@ import torch
 from gspn2.ops.reference import _scan_canonical, gspn_propagate_backward_ref, normalize_gates
 
 
+def _check_tiling(rows: int, T: int, halo: int) -> None:
+    for name, v in (("rows", rows), ("T", T)):
+        if v < 1:
+            raise ValueError(f"`{name}` must be >= 1, got {v}")
+    if halo < 0:
+        raise ValueError(f"`halo` must be >= 0, got {halo}")
+
+
 def tiled_scan(
     x: torch.Tensor, lam: torch.Tensor, w: torch.Tensor, chunk: int | None, rows: int, T: int, halo: int
 ) -> torch.Tensor:
@@ -46,11 +54,7 @@ def tiled_scan(
     Returns:
         ``h`` of shape ``(..., L, S)``; NaN where the tiling used a value it did not have.
     """
-    for name, v in (("rows", rows), ("T", T)):
-        if v < 1:
-            raise ValueError(f"`{name}` must be >= 1, got {v}")
-    if halo < 0:
-        raise ValueError(f"`halo` must be >= 0, got {halo}")
+    _check_tiling(rows, T, halo)
     L, S = x.shape[-2], x.shape[-1]
     u = lam * x
     h = torch.full_like(u, float("nan"))
@@ -100,11 +104,7 @@ def tiled_adjoint(
     Returns:
         the adjoint ``(..., L, S)``; NaN where the tiling used a value it did not have.
     """
-    for name, v in (("rows", rows), ("T", T)):
-        if v < 1:
-            raise ValueError(f"`{name}` must be >= 1, got {v}")
-    if halo < 0:
-        raise ValueError(f"`halo` must be >= 0, got {halo}")
+    _check_tiling(rows, T, halo)
     L, S = grad_h.shape[-2], grad_h.shape[-1]
     adj = torch.full_like(grad_h, float("nan"))
 
