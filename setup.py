@@ -60,6 +60,7 @@ def _extensions() -> tuple[list, dict]:
             os.path.join(CSRC, "propagate.cpp"),
             os.path.join(CSRC, "propagate_kernel.cu"),
             os.path.join(CSRC, "propagate_fast.cu"),
+            os.path.join(CSRC, "propagate_cluster.cu"),
         ],
         include_dirs=[os.path.abspath(CSRC)],
         extra_compile_args={

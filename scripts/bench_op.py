@@ -4,8 +4,9 @@
     python scripts/bench_op.py --quick                          # the headline shapes only
 
 For every shape: forward and backward time of the kernels the op picks (the streaming kernels for
-lines of up to 1024 pixels, the general ones beyond) and, side by side, of the general kernels
-(``GSPN2_KERNEL=general``) where both apply; kernel time (median of CUDA-graph replays, triton's
+lines of up to 1024 pixels, with the cluster kernel for the float32 forward's horizontal directions on
+tall images; the general ones beyond) and, side by side, of the general kernels (``GSPN2_KERNEL=general``)
+where both apply and of the streaming kernels alone (``GSPN2_KERNEL=fast``) where the cluster kernel runs; kernel time (median of CUDA-graph replays, triton's
 ``do_bench_cudagraph``; ``do_bench`` with CUDA events where graphs are unavailable), the achieved fraction
 of the bandwidth floor, the pure-PyTorch reference's time where affordable (one iteration) and
 FlashAttention (``scaled_dot_product_attention``, bf16, batch B, 4 heads x 64, the same token count H*W)
@@ -125,6 +126,12 @@ def bench_shape(label, B, C, H, W, K, dt, bw, with_ref, with_sdpa):
     rec["plan_bwd"] = C_.plan(B, C, H, W, K, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt], True)
     rec["fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
     rec["bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
+    if rec["plan_fwd"].get("cluster_ctas"):  # the streaming kernel's horizontal scans instead, same run
+        os.environ["GSPN2_KERNEL"] = "fast"
+        try:
+            rec["stream_fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
+        finally:
+            del os.environ["GSPN2_KERNEL"]
     if rec["plan_fwd"].get("kernel") == "fast":  # the general kernels on the same inputs, same run
         os.environ["GSPN2_KERNEL"] = "general"
         try:
@@ -157,14 +164,21 @@ def fmt(v, nd=3):
     return str(v)
 
 
+def kernel_name(plan) -> str:
+    """The plan in a few words: family, channels per block, the cluster kernel's CTAs per line."""
+    name = f"{plan.get('kernel', 'general')} ({plan['cs']})"
+    return name + (f" + cluster x{plan['cluster_ctas']}" if plan.get("cluster_ctas") else "")
+
+
 def markdown(records, bw, env):
     lines = [
         f"GPU: {env['gpu']}; torch {env['torch']}, CUDA {env['cuda']}; copy bandwidth {bw / 1e12:.2f} TB/s "
         "(device-to-device, read + write). Times: median ms, four directions per call, chunk = None.",
         "",
         "| shape (B x C x H x W, K) | dtype | fwd ms | fwd floor ms | fwd % floor | bwd ms | bwd floor ms | "
-        "bwd % floor | general kernels fwd / bwd ms | reference fwd ms | SDPA fwd / fwd+bwd ms | kernel (channels per block) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "bwd % floor | general kernels fwd / bwd ms | streaming-only fwd ms | reference fwd ms | SDPA fwd / fwd+bwd ms | "
+        "kernel (channels per block) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         pf = r["plan_fwd"]
@@ -173,7 +187,8 @@ def markdown(records, bw, env):
         lines.append(
             f"| {r['label']}: {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {fmt(r['fwd_ms'])} | "
             f"{fmt(r['fwd_floor_ms'])} | {r['fwd_pct_floor']:.0f}% | {fmt(r['bwd_ms'])} | {fmt(r['bwd_floor_ms'])} | "
-            f"{r['bwd_pct_floor']:.0f}% | {gk} | {fmt(r.get('ref_fwd_ms'))} | {sd} | {pf.get('kernel', 'general')} ({pf['cs']}) |"
+            f"{r['bwd_pct_floor']:.0f}% | {gk} | {fmt(r.get('stream_fwd_ms'))} | {fmt(r.get('ref_fwd_ms'))} | {sd} | "
+            f"{kernel_name(pf)} |"
         )
     return "\n".join(lines) + "\n"
 

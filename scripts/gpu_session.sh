@@ -45,6 +45,22 @@ PYEOF
       $PY /tmp/sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | head -2 | tr '\n' ' ')"
   done
+  cat >/tmp/sanitize_cluster.py <<'PYEOF'
+import os
+os.environ["GSPN2_KERNEL"] = "cluster"
+import torch, gspn2
+from gspn2.ops import gspn_propagate
+for (B, C, H, W, K, chunk) in [(1, 2, 40, 32, 1, None), (1, 1, 300, 48, 1, 7)]:
+    x = torch.randn(B, C, H, W, device="cuda")
+    lam = torch.randn(B, 4, C, H, W, device="cuda")
+    g = torch.randn(B, 4, 3, K, H, W, device="cuda")
+    gspn_propagate(x, lam, g, chunk)
+torch.cuda.synchronize()
+print("sanitize cluster case ok")
+PYEOF
+  timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 $PY /tmp/sanitize_cluster.py \
+    >"$OUT/sanitizer_cluster_memcheck.log" 2>&1
+  echo "compute-sanitizer memcheck (cluster kernel) rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_cluster_memcheck.log" | head -1)"
   echo "sanitizers: $(( $(date +%s) - t0 )) s"
 fi
 

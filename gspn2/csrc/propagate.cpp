@@ -83,18 +83,58 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
 // multiple of the tile and it fits. GSPN2_KERNEL=general forces the general kernels (tests, comparisons).
-bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit, int nsm) {
+// The forward's horizontal directions go to the cluster kernel (float32, W a multiple of its tile,
+// sm_90) for lines of at least kClusterAutoMinLine rows, or always with GSPN2_KERNEL=cluster: the
+// fewest CTAs per line whose rows fit one CTA, doubled (up to 8) while the launch leaves SMs idle;
+// GSPN2_CLUSTER_CTAS overrides the count (benchmarks).
+void plan_cluster(PropagateParams& p, const std::string& kind, int smem_limit, int nsm, int cc_major) {
+  p.ncta = 0;
+  p.cluster_smem = 0;
+  if (kind != "cluster" && !(kind == "auto" && p.H >= kClusterAutoMinLine)) return;
+  const bool able = p.dtype == ScalarType::Float && p.W % kClusterTile == 0 && cc_major >= 9;
+  if (!able) {
+    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs float32 inputs, W a multiple of ", kClusterTile,
+                " and an sm_90 GPU; got W = ", p.W, ", compute capability ", cc_major, ".x");
+    return;
+  }
+  int ncta = 2;
+  while (ncta < 8 && (p.H + ncta - 1) / ncta > kClusterMaxRows) ncta *= 2;
+  // 10 * CTAs < 9 * SMs: B16 C2 (128 CTAs of 2 per line on 132 SMs) measured faster than 4 per line.
+  while (ncta < 8 && int64_t(20) * p.B * p.C * ncta < int64_t(9) * nsm &&
+         (p.H + 2 * ncta - 1) / (2 * ncta) >= 2 * kClusterTile) {
+    ncta *= 2;
+  }
+  if (const char* forced = std::getenv("GSPN2_CLUSTER_CTAS")) {  // benchmarks: 2, 4 or 8 CTAs per line
+    const int n = std::atoi(forced);
+    GSPN2_CHECK((n == 2 || n == 4 || n == 8) && (p.H + n - 1) / n <= kClusterMaxRows,
+                "GSPN2_CLUSTER_CTAS must be 2, 4 or 8 with at most ", kClusterMaxRows, " rows per CTA, got '", forced,
+                "' for H = ", p.H);
+    ncta = n;
+  }
+  const ClusterShape s = cluster_shape(p.H, ncta);
+  if (s.smem > smem_limit) {
+    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster: ", s.smem, " bytes of shared memory per CTA do not fit ",
+                smem_limit);
+    return;
+  }
+  p.ncta = ncta;
+  p.cluster_smem = s.smem;
+}
+
+bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit, int nsm, int cc_major) {
   const char* forced = std::getenv("GSPN2_KERNEL");
   const std::string kind = forced ? forced : "auto";
-  GSPN2_CHECK(kind == "auto" || kind == "fast" || kind == "general",
-              "GSPN2_KERNEL must be auto, fast or general, got '", kind, "'");
+  GSPN2_CHECK(kind == "auto" || kind == "fast" || kind == "general" || kind == "cluster",
+              "GSPN2_KERNEL must be auto, fast, general or cluster, got '", kind, "'");
   const int lmax = std::max(p.H, p.W);
+  p.ncta = 0;
   if (kind == "general") return false;
   if (lmax > kFastMaxLine) {
-    GSPN2_CHECK(kind != "fast", "GSPN2_KERNEL=fast: the streaming kernels take lines of up to ", kFastMaxLine,
-                " pixels, got ", lmax);
+    GSPN2_CHECK(kind != "fast" && kind != "cluster", "GSPN2_KERNEL=", kind, ": the streaming kernels take lines of up to ",
+                kFastMaxLine, " pixels, got ", lmax);
     return false;
   }
+  if (!backward) plan_cluster(p, kind, smem_limit, nsm, cc_major);
   const int esize = element_size(p.dtype);
   p.kernel = 2;
   p.nt = round_up(lmax, 32);
@@ -138,16 +178,18 @@ void make_plan(PropagateParams& p, bool backward) {
   PropagateParams best = p;
   int nsm = 132;  // enough blocks to fill the GPU come first (B = 1 with shared gates has few)
   int smem_limit = kSmemLimit;  // sm_90; the device's own opt-in limit where one is present (sm_80: 163 KB)
+  int cc_major = 9;  // planning without a device: an H200
   int dev = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) {
     cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev);
     int optin = 0;
     if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && optin > 0) {
       smem_limit = std::min(smem_limit, optin - 1024);
     }
   }
   cudaGetLastError();  // no device here (planning only): keep the defaults
-  if (make_plan_fast(p, backward, smem_limit, nsm)) return;
+  if (make_plan_fast(p, backward, smem_limit, nsm, cc_major)) return;
   p.kernel = 1;
   auto score = [&](const PropagateParams& q) {
     const int64_t blocks = int64_t(4) * q.B * q.K * q.nsl;
@@ -258,6 +300,8 @@ at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const
   at::Tensor h = at::empty({p.B, 4, p.C, p.H, p.W}, x.options());
   p.h = h.data_ptr();
   if (p.kernel == 2) {
+    // With the cluster kernel: two launches in one stream, the horizontal directions first.
+    if (p.ncta > 0 && !(p.ablate & 8)) launch_forward_cluster(p, c10::cuda::getCurrentCUDAStream());
     launch_forward_fast(p, c10::cuda::getCurrentCUDAStream());
   } else {
     launch_forward(p, c10::cuda::getCurrentCUDAStream());
@@ -325,6 +369,8 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   if (p.kernel == 2) {
     d["threads"] = p.nt;
     d["tile_h"] = bool(p.tile_h);
+    d["cluster_ctas"] = p.ncta;  // > 0: the forward's horizontal directions run in the cluster kernel
+    if (p.ncta > 0) d["cluster_smem_bytes"] = p.cluster_smem;
   } else {
     d["threads"] = p.nx * p.ny;
     d["nx"] = p.nx;

@@ -24,6 +24,11 @@ constexpr int kFastMaxLine = 1024;
 constexpr int kFastSmallThreads = 256;  // blocks of at most this many threads may keep up to 4 channels
 constexpr int kFastTileF = 8;           // forward: scan steps per horizontal tile (32 B fp32, 16 B 16-bit)
 constexpr int kFastTileB = 4;           // backward: scan steps per horizontal tile (16 B fp32, 8 B 16-bit)
+// Cluster kernel (propagate_cluster.cu, sm_90, float32 forward of the horizontal directions): each line
+// split over 2, 4 or 8 CTAs of a thread-block cluster, at most kClusterMaxRows own rows per CTA.
+constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per side
+constexpr int kClusterMaxRows = 512;
+constexpr int kClusterAutoMinLine = 256;  // GSPN2_KERNEL=auto takes it for H >= this (docs/benchmarks.md)
 
 // Division by a launch-invariant divisor through a multiply (Granlund-Montgomery round-up method):
 // d >= 1 and numerators below 2^31. Set up on the host, used by the kernels.
@@ -98,6 +103,8 @@ struct PropagateParams {
   int nt;      // threads per block: one per line position, rounded up to a warp
   int pp;      // floats per fp32 exchange line in shared memory (longest line + 2 halo, rounded)
   int tile_h;  // horizontal scans load tiles of kFastTileF / kFastTileB steps through a per-thread stage
+  int ncta;          // > 0: the horizontal directions' forward runs in the cluster kernel, ncta CTAs per line
+  int cluster_smem;  // its dynamic shared memory per CTA
   int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans
   CopySet copy[2][kNumCopyKinds];
   // x (B, C, H, W)
@@ -213,6 +220,15 @@ void launch_backward(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_reduce(const PropagateParams& p, cudaStream_t stream);
 // propagate_fast.cu: the streaming kernels (lines of up to kFastMaxLine pixels; plan_fast() decides).
 void launch_forward_fast(const PropagateParams& p, cudaStream_t stream);
+
+struct ClusterShape {
+  int R, NT;            // own rows per CTA (a multiple of 16), threads per CTA
+  int boxrows, nbox;    // TMA input boxes per plane and tile
+  int oboxrows, onbox;  // TMA output boxes per tile
+  int smem;             // dynamic shared memory per CTA
+};
+ClusterShape cluster_shape(int H, int ncta);
+void launch_forward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_fast(const PropagateParams& p, cudaStream_t stream);
 
 }  // namespace gspn2

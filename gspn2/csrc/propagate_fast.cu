@@ -368,6 +368,7 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
   // Ring depth (steps in flight per thread): big blocks have 64 registers per thread.
   constexpr int D = NT > kFastSmallThreads ? 4 : CS <= 2 ? 8 : 4;
   const BlockIndex bi = block_index(p);
+  if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
   float* const line = reinterpret_cast<float*>(smem);
   for (int i = threadIdx.x; i < 2 * CS * p.pp; i += blockDim.x) line[i] = 0.f;

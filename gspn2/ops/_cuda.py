@@ -25,7 +25,7 @@ import torch
 from gspn2.ops._checks import check_propagate_inputs
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
-__all__ = ["BACKEND_ENV", "KERNEL_ENV", "FAST_MAX_LINE", "backend", "kernel_family", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
+__all__ = ["BACKEND_ENV", "KERNEL_ENV", "FAST_MAX_LINE", "CLUSTER_TILE", "CLUSTER_AUTO_MIN_LINE", "backend", "kernel_family", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
 
 log = logging.getLogger("gspn2.ops")
 
@@ -33,11 +33,17 @@ log = logging.getLogger("gspn2.ops")
 BACKEND_ENV = "GSPN2_BACKEND"
 _BACKENDS = ("auto", "cuda", "reference")
 #: Environment variable that selects the kernel family: ``auto`` (streaming kernels for lines of up to
-#: FAST_MAX_LINE pixels, general kernels beyond), ``fast`` (streaming only) or ``general``.
+#: FAST_MAX_LINE pixels, with the float32 forward's horizontal directions in the cluster kernel on sm_90
+#: for H >= CLUSTER_AUTO_MIN_LINE; general kernels beyond), ``fast`` (streaming only), ``general``, or
+#: ``cluster`` (the streaming plan with the cluster kernel on every shape it takes; an error elsewhere).
 KERNEL_ENV = "GSPN2_KERNEL"
-_KERNELS = ("auto", "fast", "general")
+_KERNELS = ("auto", "fast", "general", "cluster")
 #: Longest line (max(H, W)) the streaming kernels take (gspn2/csrc/propagate.h, kFastMaxLine).
 FAST_MAX_LINE = 1024
+#: The cluster kernel's tile (scan steps): W must be a multiple of it (kClusterTile).
+CLUSTER_TILE = 16
+#: GSPN2_KERNEL=auto uses the cluster kernel for H >= this (kClusterAutoMinLine).
+CLUSTER_AUTO_MIN_LINE = 256
 
 BUILD_HINT = (
     "gspn2's CUDA extension (gspn2._C) is not built, so gspn_propagate cannot run its kernel on a CUDA "
@@ -76,19 +82,25 @@ def backend() -> str:
 
 
 def kernel_family() -> str:
-    """The kernel family requested by ``GSPN2_KERNEL`` (``auto``, ``fast`` or ``general``)."""
+    """The kernel family requested by ``GSPN2_KERNEL`` (``auto``, ``fast``, ``general`` or ``cluster``)."""
     value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if value not in _KERNELS:
         raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(_KERNELS)}; got {value!r}")
     return value
 
 
-def _check_kernel_env(H: int, W: int) -> None:
+def _check_kernel_env(H: int, W: int, dtype: torch.dtype, backward: bool = False) -> None:
     # Validated here, before the extension sees it (its own check is a second line of defence).
-    if kernel_family() == "fast" and max(H, W) > FAST_MAX_LINE:
+    family = kernel_family()
+    if family in ("fast", "cluster") and max(H, W) > FAST_MAX_LINE:
         raise ValueError(
-            f"{KERNEL_ENV}=fast: the streaming kernels take lines of up to {FAST_MAX_LINE} pixels, "
+            f"{KERNEL_ENV}={family}: the streaming kernels take lines of up to {FAST_MAX_LINE} pixels, "
             f"got H={H}, W={W}; use {KERNEL_ENV}=auto"
+        )
+    if family == "cluster" and not backward and (dtype != torch.float32 or W % CLUSTER_TILE != 0):
+        raise ValueError(
+            f"{KERNEL_ENV}=cluster: the cluster kernel takes float32 inputs with W a multiple of {CLUSTER_TILE}, "
+            f"got {dtype} with W={W}; use {KERNEL_ENV}=auto"
         )
 
 
@@ -142,7 +154,7 @@ def forward(x, lam, gates, chunk=None):
     checks them again in C++.
     """
     check_propagate_inputs(x, lam, gates, chunk)
-    _check_kernel_env(x.shape[2], x.shape[3])
+    _check_kernel_env(x.shape[2], x.shape[3], x.dtype)
     return _checked(_C.forward(x, lam, gates, chunk))
 
 
@@ -150,13 +162,19 @@ def backward(grad_h, x, lam, gates, h, chunk=None):
     """The CUDA backward: ``(grad_x, grad_lam, grad_gates)``."""
     check_propagate_inputs(x, lam, gates, chunk)
     _check_backward_extra(grad_h, x, h)
-    _check_kernel_env(x.shape[2], x.shape[3])
+    _check_kernel_env(x.shape[2], x.shape[3], x.dtype, backward=True)
     return tuple(_checked(_C.backward(grad_h, x, lam, gates, h, chunk)))
 
 
 def plan(B, C, H, W, K, dtype="float32", backward=False):
-    """The kernels' launch plan (kernel family, channel slice, tile, block shape, shared memory)."""
-    _check_kernel_env(H, W)
+    """The kernels' launch plan (kernel family, channel slice, tile, block shape, shared memory).
+
+    Streaming plans of the forward also give ``cluster_ctas``: CTAs per line of the cluster kernel that
+    computes the horizontal directions (0: the streaming kernel does). Without a GPU the plan is an H200's.
+    """
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"`dtype` must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    _check_kernel_env(H, W, getattr(torch, dtype), backward)
     return _checked(_C.plan(B, C, H, W, K, dtype, backward))
 
 

@@ -147,6 +147,47 @@ def test_general_kernels_match_float64_reference(case, dtype, monkeypatch):
     test_matches_float64_reference(case, dtype)
 
 
+# The cluster kernel (float32 forward, horizontal directions; GSPN2_KERNEL=cluster forces it on any
+# height): 2, 4 and 8 CTAs per line, heights that are not a multiple of its row blocks, CTAs without own
+# rows (H = 1, 20), one tile (W = 16), chunk restarts inside and at tile edges, K < C.
+CLUSTER_CASES = [
+    (33, 1, 40, 16, 1, 5),  # 2 CTAs per line
+    (8, 2, 512, 32, 1, None),  # 4
+    (1, 1, 1024, 64, 1, 16),  # 8
+    (2, 2, 300, 48, 2, 7),
+    (1, 4, 37, 64, 2, 3),
+    (1, 3, 20, 16, 3, None),
+    (1, 2, 1, 32, 1, None),
+]
+
+
+@pytest.mark.parametrize("case", CLUSTER_CASES, ids=_ids)
+def test_cluster_kernel_matches_reference_and_streaming(case, monkeypatch):
+    B, C, H, W, K, chunk = case
+    monkeypatch.setenv("GSPN2_KERNEL", "cluster")
+    ncta = _cuda.plan(B, C, H, W, K, "float32")["cluster_ctas"]
+    assert ncta in (2, 4, 8)
+    test_matches_float64_reference(case, torch.float32)  # forward through the cluster kernel, backward streaming
+    x, lam, gates, _ = _inputs(B, C, H, W, K, torch.float32, seed=3)
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    _poison_cuda_cache()
+    got = gspn_propagate(xs, ls, gs, chunk)
+    monkeypatch.setenv("GSPN2_KERNEL", "fast")
+    assert _cuda.plan(B, C, H, W, K, "float32")["cluster_ctas"] == 0
+    # Same arithmetic in the same order per pixel: bitwise equal to the streaming kernel.
+    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+
+
+def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
+    monkeypatch.delenv("GSPN2_KERNEL", raising=False)
+    assert _cuda.plan(2, 2, 256, 32, 2, "float32")["cluster_ctas"] > 0
+    x, lam, gates, _ = _inputs(2, 2, 256, 32, 2, torch.float32, seed=4)
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    a = gspn_propagate(xs, ls, gs, 40)
+    assert torch.equal(a, gspn_propagate(xs, ls, gs, 40))
+    torch.testing.assert_close(a, gspn_propagate_ref(xs.double(), ls.double(), gs.double(), 40).float(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_deterministic(dtype):
     x, lam, gates, grad_h = _inputs(2, 32, 33, 40, 1, dtype, seed=5)  # two slices per group: partials

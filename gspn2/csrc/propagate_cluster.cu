@@ -1,0 +1,307 @@
+// Forward of the two horizontal directions (d = 0, 1: lines are image columns, steps along W) with each
+// line split over a thread-block cluster (sm_90). Used by the streaming plan for float32 when it pays
+// (docs/kernel.md, "Cluster kernel"); the vertical directions then run in the streaming kernel.
+//
+// Cluster of NCTA CTAs per (d, b, c): CTA `rank` owns rows [rank * R, rank * R + R) of the line and also
+// computes HALO rows on either side ("trapezoid" tiling: a halo row's value goes stale one row further in
+// per step, so after T = HALO steps the own rows are still exact; scripts/model_cluster_tiling.py models
+// it and checks the halo width). Thread i <-> image row row0 + i, row0 = rank * R - HALO.
+// Per tile of T steps:
+//   1. the tile's five planes (x, lam, gate logits of offsets -1, 0, +1) arrive by TMA: thread 0 loads
+//      3-D boxes of T columns x boxrows rows (rows outside the image zero-filled, 64-byte swizzle) into
+//      the stage; completion counted on an mbarrier;
+//   2. each thread turns its row's T steps into x * lam and the normalised weights (registers), so the
+//      step loop holds no transcendental work; the stage is then free and the next tile's loads go out;
+//   3. halo rows take the neighbours' exact values of the previous tile's last step from this CTA's
+//      inbox (distributed shared memory, written by the neighbours, one split cluster barrier per tile);
+//   4. T steps, one CTA barrier each, through a double-buffered fp32 line in shared memory;
+//   5. the boundary rows' last values go to the neighbours' inboxes (remote stores, then arrive), the own
+//      rows' outputs to an output stage that leaves as TMA box stores.
+// The arithmetic per pixel is the streaming kernels' (same normalisation, same fma order): the outputs
+// are bitwise equal to GSPN2_KERNEL=fast (tested).
+#include <cooperative_groups.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include "propagate.h"
+#include "propagate_device.cuh"
+
+namespace gspn2 {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int T = kClusterTile;  // steps per tile: 64 bytes of fp32 per row and plane
+constexpr int HALO = T;          // halo rows per side (scripts/model_cluster_tiling.py: T is exact)
+constexpr int NPLANE = 5;        // x, lam, gate logits of offsets -1, 0, +1
+constexpr int kMaxThreads = kClusterMaxRows + 2 * HALO;
+
+struct ClusterParams {
+  CUtensorMap tm_x, tm_lam, tm_g, tm_h;  // (W, H, planes) maps, boxes of T columns
+  int C, K, H, W;
+  int R, NT;             // own rows per CTA, threads per CTA (R + 2 * HALO)
+  int boxrows, nbox;     // input boxes per plane and tile
+  int oboxrows, onbox;   // output boxes per tile
+  int ce;                // restart period in scan steps (W when the scan never restarts)
+};
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // the device code exists for sm_90 only
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred P;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+      " @!P bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, int c0, int c1, int c2, const void* src) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
+               : "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// 16-byte piece v of row r in a stage of 64-byte rows, as TMA's 64-byte swizzle places it
+__device__ __forceinline__ float4* piece(float4* base, int r, int v) { return base + r * 4 + (v ^ ((r >> 1) & 3)); }
+#endif
+
+template <int NCTA>
+__global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(const __grid_constant__ ClusterParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int cid = blockIdx.x / NCTA;  // (b, c, d), d fastest
+  const int d = cid & 1;
+  const int c = (cid >> 1) % p.C;
+  const int b = (cid >> 1) / p.C;
+  const int grp = c / (p.C / p.K);
+  const int nt = p.NT, i = threadIdx.x;
+  const int row0 = rank * p.R - HALO;
+  const int q = row0 + i;
+  const bool inimg = q >= 0 && q < p.H;
+  const bool own = i >= HALO && i < HALO + p.R && q < p.H;
+
+  // Layout (the TMA boxes need 1024-byte alignment for the swizzle): stage [NPLANE][srows] rows of
+  // 64 bytes, output stage [orows] rows, then the exchange lines, the inboxes and the mbarrier.
+  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int srows = p.nbox * p.boxrows, orows = p.onbox * p.oboxrows;
+  float4* const stage = reinterpret_cast<float4*>(base);
+  float4* const ostage = stage + size_t(NPLANE) * srows * 4;
+  float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * 4);  // [2][nt + 2], row i at i + 1
+  float* const inbox = line + 2 * (nt + 2);                                  // [2 tiles][lower, upper][HALO]
+  uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 4 * HALO + 2);
+  for (int k = i; k < 2 * (nt + 2) + 4 * HALO; k += blockDim.x) line[k] = 0.f;
+
+  const int px = b * p.C + c;                    // plane of x
+  const int pl = (b * 4 + d) * p.C + c;          // plane of lam and of h
+  const int pg = (b * 4 + d) * 3 * p.K + grp;    // plane of the first gate logits
+  const int ntl = p.W / T;
+  const uint32_t tx_bytes = uint32_t(NPLANE) * srows * T * 4;
+  auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
+  auto issue = [&](int kt) {  // thread 0
+    mbar_expect_tx(bar, tx_bytes);
+    const int j0 = col0(kt);
+    for (int bx = 0; bx < p.nbox; ++bx) {
+      const int r = row0 + bx * p.boxrows;
+      float4* dst = stage + size_t(bx) * p.boxrows * 4;
+      tma_load(dst, &p.tm_x, j0, r, px, bar);
+      tma_load(dst + size_t(srows) * 4, &p.tm_lam, j0, r, pl, bar);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) tma_load(dst + size_t(2 + k) * srows * 4, &p.tm_g, j0, r, pg + k * p.K, bar);
+    }
+  };
+  if (i == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (i == 0) issue(0);
+  cluster.sync();  // lines and inboxes zeroed, every CTA of the cluster running before any remote store
+
+  float xl[T], w0[T], w1[T], w2[T];  // per step of the tile (scan order): x * lam, normalised weights
+  int par = 0, sm = 0;               // exchange line in use; step index modulo the restart period
+  for (int kt = 0; kt < ntl; ++kt) {
+    mbar_wait(bar, kt & 1);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      float4 f[NPLANE];
+#pragma unroll
+      for (int k = 0; k < NPLANE; ++k) f[k] = *piece(stage + size_t(k) * srows * 4, i, v);
+      const float* fx = reinterpret_cast<const float*>(&f[0]);
+      const float* fl = reinterpret_cast<const float*>(&f[1]);
+      const float* f0 = reinterpret_cast<const float*>(&f[2]);
+      const float* f1 = reinterpret_cast<const float*>(&f[3]);
+      const float* f2 = reinterpret_cast<const float*>(&f[4]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;  // d = 1 walks the tile's columns backwards
+        const dev::Gates g = dev::normalise(f0[e], f1[e], f2[e], q, p.H);
+        xl[t] = fx[e] * fl[e];
+        w0[t] = g.a0 * g.inv, w1[t] = g.s1 * g.inv, w2[t] = g.a2 * g.inv;
+      }
+    }
+    float* const prev0 = line + par * (nt + 2);
+    if (kt > 0) {
+      cluster_wait_acquire();  // the neighbours' values of the previous tile's last step are in my inbox
+      const float* box = inbox + ((kt - 1) & 1) * 2 * HALO;
+      if (i < HALO && rank > 0) prev0[i + 1] = box[i];
+      if (i >= HALO + p.R && rank < NCTA - 1) prev0[i + 1] = box[i - p.R];
+    }
+    if (i == 0 && kt > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // ostage read
+    __syncthreads();  // stage read (it may be refilled), halo rows in place, output stage free
+    if (i == 0 && kt + 1 < ntl) issue(kt + 1);
+
+    float hv = 0.f;
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float* prev = line + par * (nt + 2);
+      float* next = line + (par ^ 1) * (nt + 2);
+      hv = 0.f;
+      if (inimg) {
+        hv = xl[t];
+        if (sm != 0) {
+          hv = fmaf(w0[t], prev[i], hv);
+          hv = fmaf(w1[t], prev[i + 1], hv);
+          hv = fmaf(w2[t], prev[i + 2], hv);
+        }
+      }
+      next[i + 1] = hv;
+      xl[t] = hv;  // the output takes the place of x * lam
+      if (t + 1 < T) __syncthreads();
+      par ^= 1;
+      sm = (sm + 1 == p.ce) ? 0 : sm + 1;
+    }
+    if (kt + 1 < ntl) {
+      // my boundary rows are the neighbours' halo rows: push this tile's last values, then arrive
+      float* box = inbox + (kt & 1) * 2 * HALO;
+      if (rank > 0 && i >= HALO && i < 2 * HALO) cluster.map_shared_rank(box, rank - 1)[i] = hv;  // upper
+      if (rank < NCTA - 1 && i >= p.R && i < p.R + HALO) cluster.map_shared_rank(box, rank + 1)[i - p.R] = hv;
+      cluster_arrive_release();
+    }
+    if (own) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int e = 4 * v;
+        *piece(ostage, i - HALO, v) = d == 0 ? make_float4(xl[e], xl[e + 1], xl[e + 2], xl[e + 3])
+                                             : make_float4(xl[T - 1 - e], xl[T - 2 - e], xl[T - 3 - e], xl[T - 4 - e]);
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA store
+    }
+    __syncthreads();  // output stage complete
+    if (i == 0) {
+      for (int bo = 0; bo < p.onbox; ++bo) {
+        tma_store(&p.tm_h, col0(kt), rank * p.R + bo * p.oboxrows, pl, ostage + size_t(bo) * p.oboxrows * 4);
+      }
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  }
+  if (i == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  cluster.sync();  // no CTA leaves while a neighbour may still store into its shared memory
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult res{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &res));
+    TORCH_CHECK(res == cudaDriverEntryPointSuccess && ptr != nullptr,
+                "gspn2: the CUDA driver has no cuTensorMapEncodeTiled (needed by the cluster kernel); "
+                "set GSPN2_KERNEL=fast");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// (W, H, planes) float32 map of a contiguous tensor; boxes of T columns x boxrows rows x 1 plane.
+void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, int boxrows) {
+  const cuuint64_t dims[3] = {cuuint64_t(W), cuuint64_t(H), cuuint64_t(planes)};
+  const cuuint64_t strides[2] = {cuuint64_t(W) * 4, cuuint64_t(W) * H * 4};
+  const cuuint32_t box[3] = {cuuint32_t(T), cuuint32_t(boxrows), 1};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  const CUresult r = encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<void*>(ptr), dims, strides, box,
+                                    estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "gspn2: cuTensorMapEncodeTiled failed (", int(r), ")");
+}
+
+template <int NCTA>
+void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStream_t stream) {
+  auto kernel = gspn_forward_cluster_kernel<NCTA>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pp.cluster_smem));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(NCTA * 2 * pp.B * pp.C);
+  cfg.blockDim = dim3(p.NT);
+  cfg.dynamicSmemBytes = size_t(pp.cluster_smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = NCTA;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+}  // namespace
+
+ClusterShape cluster_shape(int H, int ncta) {
+  ClusterShape s;
+  s.R = round_up((H + ncta - 1) / ncta, 16);  // output boxes of a multiple of 8 rows end at the CTA's rows
+  s.NT = s.R + 2 * kClusterTile;
+  s.nbox = (s.NT + 255) / 256;  // TMA boxes have at most 256 rows
+  s.boxrows = round_up((s.NT + s.nbox - 1) / s.nbox, 8);
+  s.onbox = (s.R + 255) / 256;
+  s.oboxrows = s.R / s.onbox;
+  s.smem = 1024 + NPLANE * s.nbox * s.boxrows * kClusterTile * 4 + s.onbox * s.oboxrows * kClusterTile * 4 +
+           (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8;
+  return s;
+}
+
+void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
+  TORCH_CHECK(pp.dtype == ScalarType::Float && pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta);
+  ClusterParams p{};
+  p.C = pp.C, p.K = pp.K, p.H = pp.H, p.W = pp.W;
+  p.R = s.R, p.NT = s.NT, p.boxrows = s.boxrows, p.nbox = s.nbox, p.oboxrows = s.oboxrows, p.onbox = s.onbox;
+  p.ce = pp.chunk > 0 && pp.chunk < pp.W ? pp.chunk : pp.W;
+  make_map(&p.tm_x, pp.x, pp.W, pp.H, int64_t(pp.B) * pp.C, s.boxrows);
+  make_map(&p.tm_lam, pp.lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
+  make_map(&p.tm_g, pp.gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.boxrows);
+  make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows);
+  switch (pp.ncta) {
+    case 2: launch_cluster<2>(p, pp, stream); break;
+    case 4: launch_cluster<4>(p, pp, stream); break;
+    case 8: launch_cluster<8>(p, pp, stream); break;
+    default: TORCH_CHECK(false, "gspn2: cluster of ", pp.ncta, " CTAs not built");
+  }
+}
+
+}  // namespace gspn2
