@@ -2,6 +2,7 @@
 
     python scripts/bench_op.py --out-dir docs/bench            # everything (about a minute on an H200)
     python scripts/bench_op.py --quick                          # the headline shapes only
+    python scripts/bench_op.py --cluster-choice                 # streaming vs cluster kernel, fp32 forward
 
 For every shape: forward and backward time of the kernels the op picks (the streaming kernels for
 lines of up to 1024 pixels, with the cluster kernel for the float32 forward's horizontal directions on
@@ -226,10 +227,51 @@ def plot(records, path):
     fig.savefig(path, dpi=120)
 
 
+# Where the cluster kernel pays (float32 forward): (B, C, H, K), W = H.
+CLUSTER_CHOICE_SHAPES = [(1, 8, h, 1) for h in (256, 384, 512, 768, 1024)] + [
+    (16, 2, 512, 2), (16, 2, 768, 2), (16, 2, 1024, 2), (4, 2, 1024, 2), (64, 2, 256, 2)]
+
+
+def cluster_choice(out_dir: str) -> list:
+    """Forward time of the streaming kernels alone and with the cluster kernel at 2, 4 and 8 CTAs per
+    line (GSPN2_CLUSTER_CTAS), float32, same inputs, same run: the data behind the planner's choice."""
+    rows = []
+    for B, C, H, K in CLUSTER_CHOICE_SHAPES:
+        x, lam, gates = inputs(B, C, H, H, K, torch.float32)
+        row = dict(B=B, C=C, H=H, W=H, K=K)
+        os.environ["GSPN2_KERNEL"] = "fast"
+        row["stream_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
+        os.environ["GSPN2_KERNEL"] = "cluster"
+        for n in (2, 4, 8):
+            if (H + n - 1) // n <= 512:
+                os.environ["GSPN2_CLUSTER_CTAS"] = str(n)
+                row[f"cluster{n}_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
+        del os.environ["GSPN2_CLUSTER_CTAS"], os.environ["GSPN2_KERNEL"]
+        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, "float32")["cluster_ctas"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del x, lam, gates
+        torch.cuda.empty_cache()
+    lines = ["| B x C x H x W, K | streaming only ms | cluster, 2 CTAs/line | 4 | 8 | auto picks |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [fmt(r.get(f"cluster{n}_ms")) for n in (2, 4, 8)]
+        lines.append(f"| {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {fmt(r['stream_ms'])} | " + " | ".join(cells) +
+                     f" | {r['auto_ctas'] or 'streaming'} |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "bench_cluster_choice.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, "bench_cluster_choice.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(md)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="headline shapes only, no sweep")
+    ap.add_argument("--cluster-choice", action="store_true",
+                    help="only the float32 forward, streaming vs cluster kernel at 2/4/8 CTAs per line")
     args = ap.parse_args()
     assert torch.cuda.is_available() and _cuda.extension_available(), "needs a GPU and the built extension"
     os.makedirs(args.out_dir, exist_ok=True)
@@ -241,6 +283,9 @@ def main():
         python=platform.python_version(),
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
     )
+    if args.cluster_choice:
+        cluster_choice(args.out_dir)
+        return
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {env['gpu']}", flush=True)
     shapes = SPEC_SHAPES[:3] if args.quick else SPEC_SHAPES
