@@ -28,7 +28,7 @@ constexpr int kFastTileB = 4;           // backward: scan steps per horizontal t
 // split over 2, 4 or 8 CTAs of a thread-block cluster, at most kClusterMaxRows own rows per CTA.
 constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per side
 constexpr int kClusterMaxRows = 512;
-constexpr int kClusterAutoMinLine = 256;  // GSPN2_KERNEL=auto takes it for H >= this (docs/benchmarks.md)
+constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto takes it for H >= this (bench_op.py --cluster-choice)
 
 // Division by a launch-invariant divisor through a multiply (Granlund-Montgomery round-up method):
 // d >= 1 and numerators below 2^31. Set up on the host, used by the kernels.

@@ -43,7 +43,7 @@ FAST_MAX_LINE = 1024
 #: The cluster kernel's tile (scan steps): W must be a multiple of it (kClusterTile).
 CLUSTER_TILE = 16
 #: GSPN2_KERNEL=auto uses the cluster kernel for H >= this (kClusterAutoMinLine).
-CLUSTER_AUTO_MIN_LINE = 256
+CLUSTER_AUTO_MIN_LINE = 768
 
 BUILD_HINT = (
     "gspn2's CUDA extension (gspn2._C) is not built, so gspn_propagate cannot run its kernel on a CUDA "

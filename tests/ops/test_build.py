@@ -53,24 +53,26 @@ def test_kernel_choice(monkeypatch):
 @pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
 @pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
 def test_cluster_kernel_choice(monkeypatch):
-    """The float32 forward's horizontal directions go to the cluster kernel for tall images (planned as on
-    an H200 here): the fewest CTAs per line, doubled while SMs would idle; never for the backward, 16-bit
-    inputs, W not a multiple of its tile, or short lines under auto. GSPN2_KERNEL=cluster forces it and
+    """The float32 forward's horizontal directions go to the cluster kernel for H >= 768 (planned as on an
+    H200 here): the fewest CTAs per line, doubled while SMs would idle; never for the backward, 16-bit
+    inputs, W not a multiple of its tile, or shorter lines under auto. GSPN2_KERNEL=cluster forces it and
     names what it needs."""
     monkeypatch.delenv("GSPN2_KERNEL", raising=False)
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 2  # 128 CTAs
-    assert _cuda.plan(16, 2, 512, 512, 2, "float32")["cluster_ctas"] == 2
-    assert _cuda.plan(8, 2, 512, 512, 2, "float32")["cluster_ctas"] == 4  # 32 lines x 2 CTAs < 0.9 x 132 SMs
-    assert _cuda.plan(1, 8, 256, 256, 8, "float32")["cluster_ctas"] == 8
-    one = _cuda.plan(1, 8, 256, 256, 8, "float32")
-    assert 0 < one["cluster_smem_bytes"] <= 227 * 1024
-    for args in [(16, 2, 1024, 1024, 2, "bfloat16"), (16, 2, 1024, 1000, 2, "float32"), (16, 2, 128, 128, 2, "float32")]:
+    assert _cuda.CLUSTER_AUTO_MIN_LINE == 768
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 2  # 128 CTAs on 132 SMs
+    assert _cuda.plan(4, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 8  # 16 lines: doubled twice
+    assert _cuda.plan(16, 2, 768, 768, 2, "float32")["cluster_ctas"] == 2
+    big = _cuda.plan(1, 8, 1024, 1024, 8, "float32")
+    assert big["cluster_ctas"] == 8 and 0 < big["cluster_smem_bytes"] <= 227 * 1024
+    for args in [(16, 2, 1024, 1024, 2, "bfloat16"), (16, 2, 1024, 1000, 2, "float32"), (16, 2, 512, 512, 2, "float32")]:
         assert _cuda.plan(*args)["cluster_ctas"] == 0, args
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)["cluster_ctas"] == 0
     monkeypatch.setenv("GSPN2_KERNEL", "fast")
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 0
     monkeypatch.setenv("GSPN2_KERNEL", "cluster")
     assert _cuda.plan(2, 2, 40, 16, 1, "float32")["cluster_ctas"] > 0  # any height
+    assert _cuda.plan(8, 2, 512, 512, 2, "float32")["cluster_ctas"] == 4  # 32 lines x 2 CTAs < 0.9 x 132 SMs
+    assert _cuda.plan(1, 8, 256, 256, 8, "float32")["cluster_ctas"] == 8
     assert _cuda.plan(2, 2, 40, 16, 1, "bfloat16", backward=True)["cluster_ctas"] == 0  # backward: streaming
     with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*float32.*multiple of 16"):
         _cuda.plan(2, 2, 40, 16, 1, "bfloat16")
