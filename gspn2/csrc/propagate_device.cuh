@@ -111,4 +111,16 @@ __device__ __forceinline__ BlockIndex block_index(const PropagateParams& p) {
 }
 
 }  // namespace dev
+
+// Host: calls fn with a value of the element type that `t` names (float, __half, __nv_bfloat16), so
+// that one generic lambda instantiates a kernel launch for all three.
+template <typename Fn>
+void dispatch_dtype(ScalarType t, Fn&& fn) {
+  switch (t) {
+    case ScalarType::Float: fn(float{}); break;
+    case ScalarType::Half: fn(__half{}); break;
+    case ScalarType::BFloat16: fn(__nv_bfloat16{}); break;
+  }
+}
+
 }  // namespace gspn2

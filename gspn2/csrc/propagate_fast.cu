@@ -26,6 +26,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include <c10/cuda/CUDAException.h>
 
 #include "propagate.h"
@@ -738,49 +740,38 @@ void launch(Kernel kernel, const PropagateParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t>
-void forward_fast_impl(const PropagateParams& p, cudaStream_t stream) {
+// The streaming kernels' instantiations: (channels per block, threads per block) for the plan.
+template <typename Fn>
+void dispatch_fast_shape(const PropagateParams& p, Fn&& fn) {
+  using std::integral_constant;
   if (p.nt > kFastSmallThreads) {
-    launch(gspn_forward_fast_kernel<scalar_t, 1, kFastMaxLine>, p, stream);
+    fn(integral_constant<int, 1>{}, integral_constant<int, kFastMaxLine>{});
   } else if (p.cs == 4) {
-    launch(gspn_forward_fast_kernel<scalar_t, 4, kFastSmallThreads>, p, stream);
+    fn(integral_constant<int, 4>{}, integral_constant<int, kFastSmallThreads>{});
   } else if (p.cs == 2) {
-    launch(gspn_forward_fast_kernel<scalar_t, 2, kFastSmallThreads>, p, stream);
+    fn(integral_constant<int, 2>{}, integral_constant<int, kFastSmallThreads>{});
   } else {
-    launch(gspn_forward_fast_kernel<scalar_t, 1, kFastSmallThreads>, p, stream);
+    fn(integral_constant<int, 1>{}, integral_constant<int, kFastSmallThreads>{});
   }
-}
-
-template <typename scalar_t>
-void backward_fast_impl(const PropagateParams& p, cudaStream_t stream) {
-  if (p.nt > kFastSmallThreads) {
-    launch(gspn_backward_fast_kernel<scalar_t, 1, kFastMaxLine>, p, stream);
-  } else if (p.cs == 4) {
-    launch(gspn_backward_fast_kernel<scalar_t, 4, kFastSmallThreads>, p, stream);
-  } else if (p.cs == 2) {
-    launch(gspn_backward_fast_kernel<scalar_t, 2, kFastSmallThreads>, p, stream);
-  } else {
-    launch(gspn_backward_fast_kernel<scalar_t, 1, kFastSmallThreads>, p, stream);
-  }
-  launch_backward_reduce(p, stream);
 }
 
 }  // namespace
 
 void launch_forward_fast(const PropagateParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case ScalarType::Float: forward_fast_impl<float>(p, stream); break;
-    case ScalarType::Half: forward_fast_impl<__half>(p, stream); break;
-    case ScalarType::BFloat16: forward_fast_impl<__nv_bfloat16>(p, stream); break;
-  }
+  dispatch_dtype(p.dtype, [&](auto elem) {
+    dispatch_fast_shape(p, [&](auto cs, auto nt) {
+      launch(gspn_forward_fast_kernel<decltype(elem), decltype(cs)::value, decltype(nt)::value>, p, stream);
+    });
+  });
 }
 
 void launch_backward_fast(const PropagateParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case ScalarType::Float: backward_fast_impl<float>(p, stream); break;
-    case ScalarType::Half: backward_fast_impl<__half>(p, stream); break;
-    case ScalarType::BFloat16: backward_fast_impl<__nv_bfloat16>(p, stream); break;
-  }
+  dispatch_dtype(p.dtype, [&](auto elem) {
+    dispatch_fast_shape(p, [&](auto cs, auto nt) {
+      launch(gspn_backward_fast_kernel<decltype(elem), decltype(cs)::value, decltype(nt)::value>, p, stream);
+    });
+  });
+  launch_backward_reduce(p, stream);
 }
 
 }  // namespace gspn2

@@ -592,27 +592,15 @@ void backward_reduce_impl(const PropagateParams& p, cudaStream_t stream) {
 }  // namespace
 
 void launch_forward(const PropagateParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case ScalarType::Float: forward_impl<float>(p, stream); break;
-    case ScalarType::Half: forward_impl<__half>(p, stream); break;
-    case ScalarType::BFloat16: forward_impl<__nv_bfloat16>(p, stream); break;
-  }
+  dispatch_dtype(p.dtype, [&](auto elem) { forward_impl<decltype(elem)>(p, stream); });
 }
 
 void launch_backward_reduce(const PropagateParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case ScalarType::Float: backward_reduce_impl<float>(p, stream); break;
-    case ScalarType::Half: backward_reduce_impl<__half>(p, stream); break;
-    case ScalarType::BFloat16: backward_reduce_impl<__nv_bfloat16>(p, stream); break;
-  }
+  dispatch_dtype(p.dtype, [&](auto elem) { backward_reduce_impl<decltype(elem)>(p, stream); });
 }
 
 void launch_backward(const PropagateParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case ScalarType::Float: backward_impl<float>(p, stream); break;
-    case ScalarType::Half: backward_impl<__half>(p, stream); break;
-    case ScalarType::BFloat16: backward_impl<__nv_bfloat16>(p, stream); break;
-  }
+  dispatch_dtype(p.dtype, [&](auto elem) { backward_impl<decltype(elem)>(p, stream); });
 }
 
 }  // namespace gspn2
