@@ -4,8 +4,8 @@
 //
 // float32, K == C (no gate-gradient partials), W % 16 == 0, H <= 1024, R = own rows per CTA <= 128.
 // Per tile of T = 16 scan steps, processed from the end of the scan:
-//   * TMA loads of 7 planes (x, lam, 3 gate logits, grad_h, and the saved h shifted by one column so
-//     that element t holds h_{s-1}) into one of two stage buffers: the next tile's loads overlap this one;
+//   * TMA loads of 7 planes (x, lam, 3 gate logits, grad_h, the saved h) into one of two stage buffers:
+//     the next tile's loads overlap this one (and bring h_{s-1} of the tile's first step);
 //   * pre-pass: the normalised weights of the tile's 16 steps and grad_h into registers;
 //   * phase A, the sequential part: the adjoint, adj_s = grad_h_s + sum_o w_o[s+1](q - o) adj_{s+1}(q - o),
 //     through three double-buffered lines of C_o = w_o * adj; one CTA barrier per step; halo rows take
@@ -35,7 +35,7 @@ using gspn2::dev::normalise;
 
 constexpr int T = 16;
 constexpr int HALO = T;
-constexpr int NIN = 7;   // x, lam, g0, g1, g2, grad_h, h shifted
+constexpr int NIN = 7;   // x, lam, g0, g1, g2, grad_h, h
 constexpr int NOUT = 5;  // grad_lam, grad_x term, 3 gate-logit gradients
 constexpr int kMaxRows = 128;
 constexpr float kEps = 1e-7f;
@@ -130,14 +130,14 @@ __global__ void __launch_bounds__(kMaxRows + 2 * HALO, 1) cluster_backward_kerne
   auto plane = [&](int buf, int k) { return stage0 + (size_t(buf) * NIN + k) * srows * 4; };
   auto issue = [&](int kt, int buf) {  // thread 0
     mbar_expect_tx(&bar[buf], tx_bytes);
-    const int j0 = col0(kt), jh = d == 0 ? j0 - 1 : j0 + 1;
+    const int j0 = col0(kt);
     uint64_t* mb = &bar[buf];
     tma_load(plane(buf, 0), &p.tm_x, j0, row0, px, mb);
     tma_load(plane(buf, 1), &p.tm_lam, j0, row0, pl, mb);
 #pragma unroll
     for (int k = 0; k < 3; ++k) tma_load(plane(buf, 2 + k), &p.tm_g, j0, row0, pg + k * p.K, mb);
     tma_load(plane(buf, 5), &p.tm_gh, j0, row0, pl, mb);
-    tma_load(plane(buf, 6), &p.tm_h, jh, row0, pl, mb);
+    tma_load(plane(buf, 6), &p.tm_h, j0, row0, pl, mb);
   };
   if (i == 0) {
     mbar_init(&bar[0], 1);
@@ -221,15 +221,36 @@ __global__ void __launch_bounds__(kMaxRows + 2 * HALO, 1) cluster_backward_kerne
     if (i == 0 && m > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     __syncthreads();  // B2: output stage free
 
-    // Phase B: outputs of the own rows.
+    // Phase B: outputs of the own rows. h_{s-1} of rows q - 1, q, q + 1 at step t: this tile's step t - 1,
+    // or for t = 0 the last step of tile kt - 1 (the other stage buffer, loading since this tile began).
     if (own) {
+      float hs[3][T];
+#pragma unroll
+      for (int r = 0; r < 3; ++r) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const float4 f = *piece(plane(buf, 6), i - 1 + r, v);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;
+            if (t + 1 < T) hs[r][t + 1] = el(f, e);
+          }
+        }
+        hs[r][0] = 0.f;
+      }
+      if (kt > 0) {
+        mbar_wait(&bar[buf ^ 1], ((m + 1) >> 1) & 1);
+        const int jl = d == 0 ? T - 1 : 0;  // stage element of the tile's last scan step
+#pragma unroll
+        for (int r = 0; r < 3; ++r) {
+          hs[r][0] = el(*piece(plane(buf ^ 1, 6), i - 1 + r, jl >> 2), jl & 3);
+        }
+      }
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const float4 fx = *piece(plane(buf, 0), i, v), fl = *piece(plane(buf, 1), i, v);
         const float4 g0 = *piece(plane(buf, 2), i, v), g1 = *piece(plane(buf, 3), i, v);
         const float4 g2 = *piece(plane(buf, 4), i, v);
-        const float4 hm = *piece(plane(buf, 6), i - 1, v), h0 = *piece(plane(buf, 6), i, v);
-        const float4 hp = *piece(plane(buf, 6), i + 1, v);
         float o[NOUT][4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -241,8 +262,8 @@ __global__ void __launch_bounds__(kMaxRows + 2 * HALO, 1) cluster_backward_kerne
           o[2][e] = o[3][e] = o[4][e] = 0.f;
           if (s % p.ce != 0) {
             const Gates gt = normalise(el(g0, e), el(g1, e), el(g2, e), q, p.H);
-            const float gw0 = fmaf(adj, el(hm, e), 0.f), gw1 = fmaf(adj, el(h0, e), 0.f);
-            const float gw2 = fmaf(adj, el(hp, e), 0.f);
+            const float gw0 = fmaf(adj, hs[0][t], 0.f), gw1 = fmaf(adj, hs[1][t], 0.f);
+            const float gw2 = fmaf(adj, hs[2][t], 0.f);
             gate_grads(gt, gw0, gw1, gw2, q, p.H, o[2][e], o[3][e], o[4][e]);
           }
         }
