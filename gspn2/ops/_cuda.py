@@ -89,7 +89,7 @@ def kernel_family() -> str:
     return value
 
 
-def _check_kernel_env(H: int, W: int, dtype: torch.dtype, backward: bool = False) -> None:
+def _check_kernel_env(H: int, W: int, dtype: torch.dtype) -> None:
     # Validated here, before the extension sees it (its own check is a second line of defence).
     family = kernel_family()
     if family in ("fast", "cluster") and max(H, W) > FAST_MAX_LINE:
@@ -97,7 +97,7 @@ def _check_kernel_env(H: int, W: int, dtype: torch.dtype, backward: bool = False
             f"{KERNEL_ENV}={family}: the streaming kernels take lines of up to {FAST_MAX_LINE} pixels, "
             f"got H={H}, W={W}; use {KERNEL_ENV}=auto"
         )
-    if family == "cluster" and not backward and (dtype != torch.float32 or W % CLUSTER_TILE != 0):
+    if family == "cluster" and (dtype != torch.float32 or W % CLUSTER_TILE != 0):
         raise ValueError(
             f"{KERNEL_ENV}=cluster: the cluster kernel takes float32 inputs with W a multiple of {CLUSTER_TILE}, "
             f"got {dtype} with W={W}; use {KERNEL_ENV}=auto"
@@ -162,7 +162,7 @@ def backward(grad_h, x, lam, gates, h, chunk=None):
     """The CUDA backward: ``(grad_x, grad_lam, grad_gates)``."""
     check_propagate_inputs(x, lam, gates, chunk)
     _check_backward_extra(grad_h, x, h)
-    _check_kernel_env(x.shape[2], x.shape[3], x.dtype, backward=True)
+    _check_kernel_env(x.shape[2], x.shape[3], x.dtype)
     return tuple(_checked(_C.backward(grad_h, x, lam, gates, h, chunk)))
 
 
@@ -174,7 +174,7 @@ def plan(B, C, H, W, K, dtype="float32", backward=False):
     """
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"`dtype` must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
-    _check_kernel_env(H, W, getattr(torch, dtype), backward)
+    _check_kernel_env(H, W, getattr(torch, dtype))
     return _checked(_C.plan(B, C, H, W, K, dtype, backward))
 
 

@@ -66,16 +66,18 @@ def test_cluster_kernel_choice(monkeypatch):
     assert big["cluster_ctas"] == 8 and 0 < big["cluster_smem_bytes"] <= 227 * 1024
     for args in [(16, 2, 1024, 1024, 2, "bfloat16"), (16, 2, 1024, 1000, 2, "float32"), (16, 2, 512, 512, 2, "float32")]:
         assert _cuda.plan(*args)["cluster_ctas"] == 0, args
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)["cluster_ctas"] == 0
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)["cluster_ctas"] == 8  # <= 128 rows per CTA
     monkeypatch.setenv("GSPN2_KERNEL", "fast")
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 0
     monkeypatch.setenv("GSPN2_KERNEL", "cluster")
     assert _cuda.plan(2, 2, 40, 16, 1, "float32")["cluster_ctas"] > 0  # any height
     assert _cuda.plan(8, 2, 512, 512, 2, "float32")["cluster_ctas"] == 4  # 32 lines x 2 CTAs < 0.9 x 132 SMs
     assert _cuda.plan(1, 8, 256, 256, 8, "float32")["cluster_ctas"] == 8
-    assert _cuda.plan(2, 2, 40, 16, 1, "bfloat16", backward=True)["cluster_ctas"] == 0  # backward: streaming
+    assert _cuda.plan(8, 2, 512, 512, 2, "float32", backward=True)["cluster_ctas"] == 4
     with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*float32.*multiple of 16"):
         _cuda.plan(2, 2, 40, 16, 1, "bfloat16")
+    with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*float32.*multiple of 16"):
+        _cuda.plan(2, 2, 40, 16, 1, "bfloat16", backward=True)
     with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*float32.*multiple of 16"):
         _cuda.plan(2, 2, 40, 24, 1, "float32")
     with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*1024"):

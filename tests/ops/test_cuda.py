@@ -147,8 +147,8 @@ def test_general_kernels_match_float64_reference(case, dtype, monkeypatch):
     test_matches_float64_reference(case, dtype)
 
 
-# The cluster kernel (float32 forward, horizontal directions; GSPN2_KERNEL=cluster forces it on any
-# height): 2, 4 and 8 CTAs per line, heights that are not a multiple of its row blocks, CTAs without own
+# The cluster kernels (float32, horizontal directions, forward and backward; GSPN2_KERNEL=cluster forces
+# them on any height): 2, 4 and 8 CTAs per line, heights that are not a multiple of its row blocks, CTAs without own
 # rows (H = 1, 20), one tile (W = 16), chunk restarts inside and at tile edges, K < C.
 CLUSTER_CASES = [
     (33, 1, 40, 16, 1, 5),  # 2 CTAs per line
@@ -168,14 +168,16 @@ def test_cluster_kernel_matches_reference_and_streaming(case, monkeypatch):
     ncta = _cuda.plan(B, C, H, W, K, "float32")["cluster_ctas"]
     assert ncta in (2, 4, 8)
     test_matches_float64_reference(case, torch.float32)  # forward through the cluster kernel, backward streaming
-    x, lam, gates, _ = _inputs(B, C, H, W, K, torch.float32, seed=3)
-    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
-    _poison_cuda_cache()
-    got = gspn_propagate(xs, ls, gs, chunk)
+    assert _cuda.plan(B, C, H, W, K, "float32", backward=True)["cluster_ctas"] in (2, 4, 8)
+    x, lam, gates, grad_h = _inputs(B, C, H, W, K, torch.float32, seed=3)
+    got = _run_kernel(x, lam, gates, grad_h, chunk)
     monkeypatch.setenv("GSPN2_KERNEL", "fast")
     assert _cuda.plan(B, C, H, W, K, "float32")["cluster_ctas"] == 0
-    # Same arithmetic in the same order per pixel: bitwise equal to the streaming kernel.
-    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+    # Same arithmetic in the same order per pixel: bitwise equal to the streaming kernels, forward and
+    # backward (grad_x and the gate gradients of groups summed by the same reduce pass).
+    want = _run_kernel(x, lam, gates, grad_h, chunk)
+    for name, u, v in zip(NAMES, got, want):
+        assert torch.equal(u, v), name
 
 
 def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
