@@ -84,6 +84,13 @@ def test_cluster_kernel_choice(monkeypatch):
         _cuda.plan(1, 2, 1100, 32, 1, "float32")
     with pytest.raises(ValueError, match="`dtype` must be"):
         _cuda.plan(1, 2, 10, 10, 1, "fp32")
+    # GSPN2_CLUSTER_CTAS (benchmarks) overrides the count where the rows fit, and is validated.
+    monkeypatch.setenv("GSPN2_CLUSTER_CTAS", "4")
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 4
+    for bad in ("3", "x"):
+        monkeypatch.setenv("GSPN2_CLUSTER_CTAS", bad)
+        with pytest.raises(ValueError, match="GSPN2_CLUSTER_CTAS must be 2, 4 or 8"):
+            _cuda.plan(16, 2, 1024, 1024, 2, "float32")
 
 
 def test_backend_env_is_validated(monkeypatch):
