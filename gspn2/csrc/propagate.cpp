@@ -91,9 +91,10 @@ void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, in
   p.ncta = 0;
   p.cluster_smem = 0;
   if (kind != "cluster" && !(kind == "auto" && p.H >= kClusterAutoMinLine)) return;
-  const bool able = p.dtype == ScalarType::Float && p.W % kClusterTile == 0 && cc_major >= 9;
-  if (!able) {
-    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs float32 inputs, W a multiple of ", kClusterTile,
+  // auto: float32 only (16-bit inputs not measured yet); the backward kernel is float32 only.
+  if ((kind == "auto" || backward) && p.dtype != ScalarType::Float) return;
+  if (p.W % kClusterTile != 0 || cc_major < 9) {
+    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs W a multiple of ", kClusterTile,
                 " and an sm_90 GPU; got W = ", p.W, ", compute capability ", cc_major, ".x");
     return;
   }
@@ -116,7 +117,7 @@ void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, in
                 "' for H = ", p.H);
     ncta = n;
   }
-  const ClusterShape s = cluster_shape(p.H, ncta, backward);
+  const ClusterShape s = cluster_shape(p.H, ncta, backward, element_size(p.dtype));
   if (s.smem > smem_limit) {
     GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster: ", s.smem, " bytes of shared memory per CTA do not fit ",
                 smem_limit);

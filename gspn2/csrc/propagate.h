@@ -228,7 +228,7 @@ struct ClusterShape {
   int oboxrows, onbox;  // TMA output boxes per tile
   int smem;             // dynamic shared memory per CTA
 };
-ClusterShape cluster_shape(int H, int ncta, bool backward);
+ClusterShape cluster_shape(int H, int ncta, bool backward, int esize);
 void launch_forward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_fast(const PropagateParams& p, cudaStream_t stream);

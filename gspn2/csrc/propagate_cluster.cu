@@ -102,11 +102,52 @@ __device__ __forceinline__ void gate_grads(const dev::Gates& gt, float gw0, floa
   gg1 = (gw1 * gt.inv - corr) * (gt.s1 * (1.f - gt.s1));
   gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * (gt.s2 * (1.f - gt.s2)) : 0.f;
 }
+
+// A stage row holds one row's T steps of one plane: 64 bytes (fp32, TMA's 64-byte swizzle: 16-byte
+// piece ^= (row >> 1) & 3) or 32 bytes (16-bit, 32-byte swizzle: piece ^= (row >> 2) & 1).
+template <typename scalar_t>
+struct RowIO {
+  using EL = dev::Elem<scalar_t>;
+  using Bits = typename EL::bits;
+  static constexpr int ES = int(sizeof(Bits)), EPP = 16 / ES, NPC = T / EPP, RB = T * ES;
+  static __device__ __forceinline__ int offset(int r, int pc) {
+    return r * RB + 16 * (RB == 64 ? (pc ^ ((r >> 1) & 3)) : (pc ^ ((r >> 2) & 1)));
+  }
+  static __device__ __forceinline__ uint4 load(const unsigned char* plane, int r, int pc) {
+    return *reinterpret_cast<const uint4*>(plane + offset(r, pc));
+  }
+  static __device__ __forceinline__ uint32_t word(const uint4& u, int k) {
+    return k == 0 ? u.x : k == 1 ? u.y : k == 2 ? u.z : u.w;
+  }
+  // Element e of a 16-byte piece, as float (e a compile-time index after unrolling).
+  static __device__ __forceinline__ float get(const uint4& u, int e) {
+    if constexpr (ES == 4) {
+      return __uint_as_float(word(u, e));
+    } else {
+      const uint32_t w = word(u, e >> 1);
+      return EL::load(Bits((e & 1) ? (w >> 16) : (w & 0xffffu)));
+    }
+  }
+  static __device__ __forceinline__ void store(unsigned char* plane, int r, int pc, const float (&v)[EPP]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (ES == 4) {
+        w[k] = EL::store(v[k]);
+      } else {
+        w[k] = uint32_t(EL::store(v[2 * k])) | (uint32_t(EL::store(v[2 * k + 1])) << 16);
+      }
+    }
+    *reinterpret_cast<uint4*>(plane + offset(r, pc)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
 #endif
 
-template <int NCTA>
+template <typename scalar_t, int NCTA>
 __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using IO = RowIO<scalar_t>;
+  constexpr int RB = IO::RB, EPP = IO::EPP;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
@@ -122,12 +163,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   const bool own = i >= HALO && i < HALO + p.R && q < p.H;
 
   // Layout (the TMA boxes need 1024-byte alignment for the swizzle): stage [NPLANE][srows] rows of
-  // 64 bytes, output stage [orows] rows, then the exchange lines, the inboxes and the mbarrier.
+  // RB bytes, output stage [orows] rows, then the exchange lines, the inboxes and the mbarrier.
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const int srows = p.nbox * p.boxrows, orows = p.onbox * p.oboxrows;
-  float4* const stage = reinterpret_cast<float4*>(base);
-  float4* const ostage = stage + size_t(NPLANE) * srows * 4;
-  float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * 4);  // [2][nt + 2], row i at i + 1
+  unsigned char* const stage = base;
+  unsigned char* const ostage = stage + size_t(NPLANE) * srows * RB;
+  float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * RB);  // [2][nt + 2], row i at i + 1
   float* const inbox = line + 2 * (nt + 2);                                  // [2 tiles][lower, upper][HALO]
   uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 4 * HALO + 2);
   for (int k = i; k < 2 * (nt + 2) + 4 * HALO; k += blockDim.x) line[k] = 0.f;
@@ -136,18 +177,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   const int pl = (b * 4 + d) * p.C + c;          // plane of lam and of h
   const int pg = (b * 4 + d) * 3 * p.K + grp;    // plane of the first gate logits
   const int ntl = p.W / T;
-  const uint32_t tx_bytes = uint32_t(NPLANE) * srows * T * 4;
+  const uint32_t tx_bytes = uint32_t(NPLANE) * srows * RB;
   auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
   auto issue = [&](int kt) {  // thread 0
     mbar_expect_tx(bar, tx_bytes);
     const int j0 = col0(kt);
     for (int bx = 0; bx < p.nbox; ++bx) {
       const int r = row0 + bx * p.boxrows;
-      float4* dst = stage + size_t(bx) * p.boxrows * 4;
+      unsigned char* dst = stage + size_t(bx) * p.boxrows * RB;
       tma_load(dst, &p.tm_x, j0, r, px, bar);
-      tma_load(dst + size_t(srows) * 4, &p.tm_lam, j0, r, pl, bar);
+      tma_load(dst + size_t(srows) * RB, &p.tm_lam, j0, r, pl, bar);
 #pragma unroll
-      for (int k = 0; k < 3; ++k) tma_load(dst + size_t(2 + k) * srows * 4, &p.tm_g, j0, r, pg + k * p.K, bar);
+      for (int k = 0; k < 3; ++k) tma_load(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, bar);
     }
   };
   if (i == 0) {
@@ -163,20 +204,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   for (int kt = 0; kt < ntl; ++kt) {
     mbar_wait(bar, kt & 1);
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      float4 f[NPLANE];
+    for (int pc = 0; pc < IO::NPC; ++pc) {
+      uint4 f[NPLANE];
 #pragma unroll
-      for (int k = 0; k < NPLANE; ++k) f[k] = *piece(stage + size_t(k) * srows * 4, i, v);
-      const float* fx = reinterpret_cast<const float*>(&f[0]);
-      const float* fl = reinterpret_cast<const float*>(&f[1]);
-      const float* f0 = reinterpret_cast<const float*>(&f[2]);
-      const float* f1 = reinterpret_cast<const float*>(&f[3]);
-      const float* f2 = reinterpret_cast<const float*>(&f[4]);
+      for (int k = 0; k < NPLANE; ++k) f[k] = IO::load(stage + size_t(k) * srows * RB, i, pc);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;  // d = 1 walks the tile's columns backwards
-        const dev::Gates g = dev::normalise(f0[e], f1[e], f2[e], q, p.H);
-        xl[t] = fx[e] * fl[e];
+      for (int e = 0; e < EPP; ++e) {
+        const int j = pc * EPP + e;               // column j of the tile
+        const int t = d == 0 ? j : T - 1 - j;     // d = 1 walks the tile's columns backwards
+        const dev::Gates g = dev::normalise(IO::get(f[2], e), IO::get(f[3], e), IO::get(f[4], e), q, p.H);
+        xl[t] = IO::get(f[0], e) * IO::get(f[1], e);
         w0[t] = g.a0 * g.inv, w1[t] = g.s1 * g.inv, w2[t] = g.a2 * g.inv;
       }
     }
@@ -220,17 +257,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
     }
     if (own) {
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const int e = 4 * v;
-        *piece(ostage, i - HALO, v) = d == 0 ? make_float4(xl[e], xl[e + 1], xl[e + 2], xl[e + 3])
-                                             : make_float4(xl[T - 1 - e], xl[T - 2 - e], xl[T - 3 - e], xl[T - 4 - e]);
+      for (int pc = 0; pc < IO::NPC; ++pc) {
+        float v[EPP];
+#pragma unroll
+        for (int e = 0; e < EPP; ++e) {
+          const int j = pc * EPP + e;
+          v[e] = xl[d == 0 ? j : T - 1 - j];
+        }
+        IO::store(ostage, i - HALO, pc, v);
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA store
     }
     __syncthreads();  // output stage complete
     if (i == 0) {
       for (int bo = 0; bo < p.onbox; ++bo) {
-        tma_store(&p.tm_h, col0(kt), rank * p.R + bo * p.oboxrows, pl, ostage + size_t(bo) * p.oboxrows * 4);
+        tma_store(&p.tm_h, col0(kt), rank * p.R + bo * p.oboxrows, pl, ostage + size_t(bo) * p.oboxrows * RB);
       }
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
@@ -462,21 +503,40 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-// (W, H, planes) float32 map of a contiguous tensor; boxes of T columns x boxrows rows x 1 plane.
-void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, int boxrows) {
+// (W, H, planes) map of a contiguous tensor; boxes of T columns x boxrows rows x 1 plane: rows of 64 bytes
+// (float32, 64-byte swizzle) or 32 bytes (16-bit, 32-byte swizzle), as RowIO reads them.
+void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, int boxrows,
+              ScalarType dtype = ScalarType::Float) {
+  const cuuint64_t es = dtype == ScalarType::Float ? 4 : 2;
   const cuuint64_t dims[3] = {cuuint64_t(W), cuuint64_t(H), cuuint64_t(planes)};
-  const cuuint64_t strides[2] = {cuuint64_t(W) * 4, cuuint64_t(W) * H * 4};
+  const cuuint64_t strides[2] = {cuuint64_t(W) * es, cuuint64_t(W) * H * es};
   const cuuint32_t box[3] = {cuuint32_t(T), cuuint32_t(boxrows), 1};
   const cuuint32_t estr[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<void*>(ptr), dims, strides, box,
-                                    estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+  const CUtensorMapDataType type = dtype == ScalarType::Float  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : dtype == ScalarType::Half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode_tiled()(map, type, 3, const_cast<void*>(ptr), dims, strides, box, estr,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    es == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
                                     CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "gspn2: cuTensorMapEncodeTiled failed (", int(r), ")");
 }
 
+using ClusterKernel = void (*)(ClusterParams);
+
+template <int NCTA>
+ClusterKernel pick_kernel(ScalarType dtype, bool backward) {
+  if (backward) return gspn_backward_cluster_kernel<NCTA>;  // float32 only (plan)
+  switch (dtype) {
+    case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA>;
+    case ScalarType::BFloat16: return gspn_forward_cluster_kernel<__nv_bfloat16, NCTA>;
+    default: return gspn_forward_cluster_kernel<float, NCTA>;
+  }
+}
+
 template <int NCTA>
 void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStream_t stream, bool backward) {
-  auto kernel = backward ? gspn_backward_cluster_kernel<NCTA> : gspn_forward_cluster_kernel<NCTA>;
+  const ClusterKernel kernel = pick_kernel<NCTA>(pp.dtype, backward);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pp.cluster_smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(NCTA * 2 * pp.B * pp.C);
@@ -495,7 +555,7 @@ void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStrea
 
 }  // namespace
 
-ClusterShape cluster_shape(int H, int ncta, bool backward) {
+ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
   ClusterShape s;
   s.R = round_up((H + ncta - 1) / ncta, 16);  // output boxes of a multiple of 8 rows end at the CTA's rows
   s.NT = s.R + 2 * kClusterTile;
@@ -511,7 +571,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward) {
   s.boxrows = round_up((s.NT + s.nbox - 1) / s.nbox, 8);
   s.onbox = (s.R + 255) / 256;
   s.oboxrows = s.R / s.onbox;
-  s.smem = 1024 + NPLANE * s.nbox * s.boxrows * kClusterTile * 4 + s.onbox * s.oboxrows * kClusterTile * 4 +
+  s.smem = 1024 + NPLANE * s.nbox * s.boxrows * kClusterTile * esize + s.onbox * s.oboxrows * kClusterTile * esize +
            (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8;
   return s;
 }
@@ -523,9 +583,9 @@ ClusterParams cluster_params(const PropagateParams& pp, const ClusterShape& s) {
   p.B = pp.B, p.C = pp.C, p.K = pp.K, p.H = pp.H, p.W = pp.W, p.G = pp.G;
   p.R = s.R, p.NT = s.NT, p.boxrows = s.boxrows, p.nbox = s.nbox, p.oboxrows = s.oboxrows, p.onbox = s.onbox;
   p.ce = pp.chunk > 0 && pp.chunk < pp.W ? pp.chunk : pp.W;
-  make_map(&p.tm_x, pp.x, pp.W, pp.H, int64_t(pp.B) * pp.C, s.boxrows);
-  make_map(&p.tm_lam, pp.lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
-  make_map(&p.tm_g, pp.gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.boxrows);
+  make_map(&p.tm_x, pp.x, pp.W, pp.H, int64_t(pp.B) * pp.C, s.boxrows, pp.dtype);
+  make_map(&p.tm_lam, pp.lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows, pp.dtype);
+  make_map(&p.tm_g, pp.gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.boxrows, pp.dtype);
   return p;
 }
 
@@ -541,17 +601,17 @@ void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t
 }  // namespace
 
 void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
-  TORCH_CHECK(pp.dtype == ScalarType::Float && pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
-  const ClusterShape s = cluster_shape(pp.H, pp.ncta, false);
+  TORCH_CHECK(pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta, false, element_size(pp.dtype));
   ClusterParams p = cluster_params(pp, s);
-  make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows);
+  make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows, pp.dtype);
   launch_ncta(p, pp, stream, false);
 }
 
 void launch_backward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.dtype == ScalarType::Float && pp.ncta > 0 && pp.cs == 1,
               "gspn2: cluster backward planned for an unsupported case");
-  const ClusterShape s = cluster_shape(pp.H, pp.ncta, true);
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, 4);
   ClusterParams p = cluster_params(pp, s);
   p.part = pp.nsl > 1;
   make_map(&p.tm_gh, pp.grad_h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);

@@ -33,9 +33,10 @@ log = logging.getLogger("gspn2.ops")
 BACKEND_ENV = "GSPN2_BACKEND"
 _BACKENDS = ("auto", "cuda", "reference")
 #: Environment variable that selects the kernel family: ``auto`` (streaming kernels for lines of up to
-#: FAST_MAX_LINE pixels, with the float32 forward's horizontal directions in the cluster kernel on sm_90
-#: for H >= CLUSTER_AUTO_MIN_LINE; general kernels beyond), ``fast`` (streaming only), ``general``, or
-#: ``cluster`` (the streaming plan with the cluster kernel on every shape it takes; an error elsewhere).
+#: FAST_MAX_LINE pixels, with the float32 horizontal directions in the cluster kernels on sm_90 for
+#: H >= CLUSTER_AUTO_MIN_LINE; general kernels beyond), ``fast`` (streaming only), ``general``, or
+#: ``cluster`` (the streaming plan with the cluster kernels on every pass they take: the forward in every
+#: dtype, the backward in float32; an error where W is not a multiple of CLUSTER_TILE).
 KERNEL_ENV = "GSPN2_KERNEL"
 _KERNELS = ("auto", "fast", "general", "cluster")
 #: Longest line (max(H, W)) the streaming kernels take (gspn2/csrc/propagate.h, kFastMaxLine).
@@ -89,7 +90,7 @@ def kernel_family() -> str:
     return value
 
 
-def _check_kernel_env(H: int, W: int, dtype: torch.dtype) -> None:
+def _check_kernel_env(H: int, W: int) -> None:
     # Validated here, before the extension sees it (its own check is a second line of defence).
     family = kernel_family()
     if family in ("fast", "cluster") and max(H, W) > FAST_MAX_LINE:
@@ -97,10 +98,10 @@ def _check_kernel_env(H: int, W: int, dtype: torch.dtype) -> None:
             f"{KERNEL_ENV}={family}: the streaming kernels take lines of up to {FAST_MAX_LINE} pixels, "
             f"got H={H}, W={W}; use {KERNEL_ENV}=auto"
         )
-    if family == "cluster" and (dtype != torch.float32 or W % CLUSTER_TILE != 0):
+    if family == "cluster" and W % CLUSTER_TILE != 0:
         raise ValueError(
-            f"{KERNEL_ENV}=cluster: the cluster kernel takes float32 inputs with W a multiple of {CLUSTER_TILE}, "
-            f"got {dtype} with W={W}; use {KERNEL_ENV}=auto"
+            f"{KERNEL_ENV}=cluster: the cluster kernels take W a multiple of {CLUSTER_TILE}, got W={W}; "
+            f"use {KERNEL_ENV}=auto"
         )
 
 
@@ -154,7 +155,7 @@ def forward(x, lam, gates, chunk=None):
     checks them again in C++.
     """
     check_propagate_inputs(x, lam, gates, chunk)
-    _check_kernel_env(x.shape[2], x.shape[3], x.dtype)
+    _check_kernel_env(x.shape[2], x.shape[3])
     return _checked(_C.forward(x, lam, gates, chunk))
 
 
@@ -162,7 +163,7 @@ def backward(grad_h, x, lam, gates, h, chunk=None):
     """The CUDA backward: ``(grad_x, grad_lam, grad_gates)``."""
     check_propagate_inputs(x, lam, gates, chunk)
     _check_backward_extra(grad_h, x, h)
-    _check_kernel_env(x.shape[2], x.shape[3], x.dtype)
+    _check_kernel_env(x.shape[2], x.shape[3])
     return tuple(_checked(_C.backward(grad_h, x, lam, gates, h, chunk)))
 
 
@@ -174,7 +175,7 @@ def plan(B, C, H, W, K, dtype="float32", backward=False):
     """
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"`dtype` must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
-    _check_kernel_env(H, W, getattr(torch, dtype))
+    _check_kernel_env(H, W)
     return _checked(_C.plan(B, C, H, W, K, dtype, backward))
 
 

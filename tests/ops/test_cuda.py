@@ -180,6 +180,24 @@ def test_cluster_kernel_matches_reference_and_streaming(case, monkeypatch):
         assert torch.equal(u, v), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [CLUSTER_CASES[i] for i in (0, 2, 4)], ids=_ids)
+def test_cluster_forward_16bit(case, dtype, monkeypatch):
+    """16-bit inputs: the forward through the cluster kernel (32-byte rows), the backward streaming."""
+    B, C, H, W, K, chunk = case
+    name = str(dtype).split(".")[1]
+    monkeypatch.setenv("GSPN2_KERNEL", "cluster")
+    assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] > 0
+    assert _cuda.plan(B, C, H, W, K, name, backward=True)["cluster_ctas"] == 0
+    test_matches_float64_reference(case, dtype)
+    x, lam, gates, _ = _inputs(B, C, H, W, K, dtype, seed=5)
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    _poison_cuda_cache()
+    got = gspn_propagate(xs, ls, gs, chunk)
+    monkeypatch.setenv("GSPN2_KERNEL", "fast")
+    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+
+
 def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
     monkeypatch.delenv("GSPN2_KERNEL", raising=False)
     assert _cuda.plan(1, 2, 768, 32, 2, "float32")["cluster_ctas"] == 8
