@@ -236,11 +236,12 @@ def cluster_choice(out_dir: str) -> list:
     """Forward and backward time of the streaming kernels alone and with the cluster kernels at 2, 4 and 8
     CTAs per line (GSPN2_CLUSTER_CTAS), float32, same inputs, same run: the data behind the planner's choice."""
     rows = []
-    for B, C, H, K in CLUSTER_CHOICE_SHAPES:
-        x, lam, gates = inputs(B, C, H, H, K, torch.float32)
+    for (B, C, H, K), dt in [(shape, dt) for dt in ("fp32", "bf16") for shape in CLUSTER_CHOICE_SHAPES]:
+        x, lam, gates = inputs(B, C, H, H, K, DT[dt])
         h = _cuda.forward(x, lam, gates, None)
         grad_h = torch.randn_like(h)
-        row = dict(B=B, C=C, H=H, W=H, K=K)
+        row = dict(B=B, C=C, H=H, W=H, K=K, dtype=dt)
+        name = {"fp32": "float32", "bf16": "bfloat16"}[dt]
         os.environ["GSPN2_KERNEL"] = "fast"
         row["stream_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
         row["stream_bwd_ms"] = median_ms(lambda: _cuda.backward(grad_h, x, lam, gates, h, None))
@@ -249,22 +250,22 @@ def cluster_choice(out_dir: str) -> list:
             os.environ["GSPN2_CLUSTER_CTAS"] = str(n)
             if (H + n - 1) // n <= 512:
                 row[f"cluster{n}_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
-            if (H + n - 1) // n <= 128:
+            if (H + n - 1) // n <= 128 and dt == "fp32":  # the backward kernel is float32 only
                 row[f"cluster{n}_bwd_ms"] = median_ms(lambda: _cuda.backward(grad_h, x, lam, gates, h, None))
         del os.environ["GSPN2_CLUSTER_CTAS"], os.environ["GSPN2_KERNEL"]
-        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, "float32")["cluster_ctas"]
-        row["auto_ctas_bwd"] = _cuda.plan(B, C, H, H, K, "float32", True)["cluster_ctas"]
+        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, name)["cluster_ctas"]
+        row["auto_ctas_bwd"] = _cuda.plan(B, C, H, H, K, name, True)["cluster_ctas"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del x, lam, gates, h, grad_h
         torch.cuda.empty_cache()
-    lines = ["| B x C x H x W, K | pass | streaming only ms | cluster, 2 CTAs/line | 4 | 8 | auto picks |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| B x C x H x W, K | dtype | pass | streaming only ms | cluster, 2 CTAs/line | 4 | 8 | auto picks |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for pas, sfx, auto in (("fwd", "", "auto_ctas"), ("bwd", "_bwd", "auto_ctas_bwd")):
             cells = [fmt(r.get(f"cluster{n}{sfx}_ms")) for n in (2, 4, 8)]
-            lines.append(f"| {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {pas} | {fmt(r[f'stream{sfx}_ms'])} | " +
-                         " | ".join(cells) + f" | {r[auto] or 'streaming'} |")
+            lines.append(f"| {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {pas} | "
+                         f"{fmt(r[f'stream{sfx}_ms'])} | " + " | ".join(cells) + f" | {r[auto] or 'streaming'} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "bench_cluster_choice.md"), "w") as f:
         f.write(md)

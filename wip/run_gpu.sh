@@ -24,4 +24,4 @@ print("ok")
 PYEOF
 timeout 120 compute-sanitizer --tool memcheck --print-limit 10 python3 /tmp/san.py > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$?: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log")"
-timeout 150 python3 scripts/bench_op.py --cluster-choice --out-dir "$OUT" 2>&1 | tail -24
+timeout 240 python3 scripts/bench_op.py --cluster-choice --out-dir "$OUT" 2>&1 | tail -24
