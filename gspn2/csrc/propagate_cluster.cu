@@ -20,6 +20,8 @@
 // The arithmetic per pixel is the streaming kernels' (same normalisation, same fma order): the outputs
 // are bitwise equal to GSPN2_KERNEL=fast (tested).
 #include <cooperative_groups.h>
+#include <stdexcept>
+#include <string>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -519,7 +521,22 @@ void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, i
                                     CU_TENSOR_MAP_INTERLEAVE_NONE,
                                     es == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
                                     CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "gspn2: cuTensorMapEncodeTiled failed (", int(r), ")");
+  // std::string rather than c10::str: formatting an int through c10::str in this translation unit crashed
+  // on the H200 image (torch 2.11) instead of raising.
+  if (r != CUDA_SUCCESS) {
+    throw std::runtime_error("gspn2: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ") for a (" +
+                             std::to_string(W) + ", " + std::to_string(H) + ", " + std::to_string(planes) +
+                             ") map with boxes of " + std::to_string(boxrows) + " rows");
+  }
+}
+
+// The driver call that encodes tensor maps needs a current context on the calling thread. The backward
+// runs on autograd's device thread, where no runtime call may have bound one yet (cuTensorMapEncodeTiled
+// then returns CUDA_ERROR_INVALID_CONTEXT): bind the current device's primary context first.
+void bind_context() {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaSetDevice(dev));
 }
 
 using ClusterKernel = void (*)(ClusterParams);
@@ -594,7 +611,7 @@ void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t
     case 2: launch_cluster<2>(p, pp, stream, backward); break;
     case 4: launch_cluster<4>(p, pp, stream, backward); break;
     case 8: launch_cluster<8>(p, pp, stream, backward); break;
-    default: TORCH_CHECK(false, "gspn2: cluster of ", pp.ncta, " CTAs not built");
+    default: throw std::runtime_error("gspn2: cluster of " + std::to_string(pp.ncta) + " CTAs not built");
   }
 }
 
@@ -603,6 +620,7 @@ void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t
 void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
   const ClusterShape s = cluster_shape(pp.H, pp.ncta, false, element_size(pp.dtype));
+  bind_context();
   ClusterParams p = cluster_params(pp, s);
   make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows, pp.dtype);
   launch_ncta(p, pp, stream, false);
@@ -612,6 +630,7 @@ void launch_backward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.dtype == ScalarType::Float && pp.ncta > 0 && pp.cs == 1,
               "gspn2: cluster backward planned for an unsupported case");
   const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, 4);
+  bind_context();
   ClusterParams p = cluster_params(pp, s);
   p.part = pp.nsl > 1;
   make_map(&p.tm_gh, pp.grad_h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
