@@ -14,13 +14,15 @@
 #include <tuple>
 #include <vector>
 
+#include "message.h"
 #include "propagate.h"
 
 // Input errors raise ValueError naming the tensor (std::invalid_argument through pybind11), without
-// building a c10::Error (its C++ backtrace capture is slow, and crashed in one sandboxed environment).
-#define GSPN2_CHECK(cond, ...)                                              \
-  do {                                                                      \
-    if (!(cond)) throw std::invalid_argument(c10::str("gspn2: ", __VA_ARGS__)); \
+// building a c10::Error (its C++ backtrace capture is slow, and crashed in one sandboxed environment) and
+// without c10::str (message.h).
+#define GSPN2_CHECK(cond, ...)                                                     \
+  do {                                                                             \
+    if (!(cond)) throw std::invalid_argument(gspn2::message("gspn2: ", __VA_ARGS__)); \
   } while (0)
 #define CHECK_CUDA(t) GSPN2_CHECK((t).is_cuda(), "`" #t "` must be a CUDA tensor, got ", (t).device())
 #define CHECK_SAME_DEVICE(t, ref) \
@@ -83,15 +85,19 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
 // multiple of the tile and it fits. GSPN2_KERNEL=general forces the general kernels (tests, comparisons).
-// The horizontal directions go to the cluster kernel (float32, W a multiple of its tile, sm_90;
-// forward and backward) for lines of at least kClusterAutoMinLine rows, or always with GSPN2_KERNEL=cluster: the
+// The horizontal directions go to the cluster kernel (float32, W a multiple of its tile, sm_90): the forward
+// for lines of at least kClusterAutoMinLine rows, the backward for problems of at least
+// kClusterAutoMinElemsBwd elements (B * C * H * W), or always with GSPN2_KERNEL=cluster: the
 // fewest CTAs per line whose rows fit one CTA, doubled (up to 8) while the launch leaves SMs idle;
 // GSPN2_CLUSTER_CTAS overrides the count (benchmarks).
 void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, int smem_limit, int nsm, int cc_major) {
   p.ncta = 0;
   p.cluster_smem = 0;
-  if (kind != "cluster" && !(kind == "auto" && p.H >= kClusterAutoMinLine)) return;
-  // auto: float32 only (16-bit inputs not measured yet); the backward kernel is float32 only.
+  // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
+  const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
+  if (kind != "cluster" && !(kind == "auto" && large)) return;
+  // auto: float32 only (the 16-bit forward measured slower than the streaming kernels on most shapes); the
+  // backward kernel is float32 only.
   if ((kind == "auto" || backward) && p.dtype != ScalarType::Float) return;
   if (p.W % kClusterTile != 0 || cc_major < 9) {
     GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs W a multiple of ", kClusterTile,

@@ -29,7 +29,8 @@ constexpr int kFastTileB = 4;           // backward: scan steps per horizontal t
 constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per side
 constexpr int kClusterMaxRows = 512;
 constexpr int kClusterMaxRowsBwd = 128;  // the backward stages 7 planes twice and 5 output planes
-constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto takes it for H >= this (bench_op.py --cluster-choice)
+constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto: the forward for H >= this (bench_op.py --cluster-choice)
+constexpr int64_t kClusterAutoMinElemsBwd = int64_t(1) << 20;  // ... the backward for B * C * H * W >= this
 
 // Division by a launch-invariant divisor through a multiply (Granlund-Montgomery round-up method):
 // d >= 1 and numerators below 2^31. Set up on the host, used by the kernels.

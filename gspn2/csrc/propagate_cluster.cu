@@ -29,6 +29,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include "message.h"
 #include "propagate.h"
 #include "propagate_device.cuh"
 
@@ -521,12 +522,9 @@ void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, i
                                     CU_TENSOR_MAP_INTERLEAVE_NONE,
                                     es == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
                                     CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  // std::string rather than c10::str: formatting an int through c10::str in this translation unit crashed
-  // on the H200 image (torch 2.11) instead of raising.
   if (r != CUDA_SUCCESS) {
-    throw std::runtime_error("gspn2: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ") for a (" +
-                             std::to_string(W) + ", " + std::to_string(H) + ", " + std::to_string(planes) +
-                             ") map with boxes of " + std::to_string(boxrows) + " rows");
+    throw std::runtime_error(message("gspn2: cuTensorMapEncodeTiled failed (CUresult ", int(r), ") for a (", W, ", ", H,
+                                     ", ", planes, ") map with boxes of ", boxrows, " rows"));
   }
 }
 
@@ -611,7 +609,7 @@ void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t
     case 2: launch_cluster<2>(p, pp, stream, backward); break;
     case 4: launch_cluster<4>(p, pp, stream, backward); break;
     case 8: launch_cluster<8>(p, pp, stream, backward); break;
-    default: throw std::runtime_error("gspn2: cluster of " + std::to_string(pp.ncta) + " CTAs not built");
+    default: throw std::runtime_error(message("gspn2: cluster of ", pp.ncta, " CTAs not built"));
   }
 }
 

@@ -167,7 +167,7 @@ def test_cluster_kernel_matches_reference_and_streaming(case, monkeypatch):
     monkeypatch.setenv("GSPN2_KERNEL", "cluster")
     ncta = _cuda.plan(B, C, H, W, K, "float32")["cluster_ctas"]
     assert ncta in (2, 4, 8)
-    test_matches_float64_reference(case, torch.float32)  # forward through the cluster kernel, backward streaming
+    test_matches_float64_reference(case, torch.float32)  # the horizontal directions in the cluster kernels
     assert _cuda.plan(B, C, H, W, K, "float32", backward=True)["cluster_ctas"] in (2, 4, 8)
     x, lam, gates, grad_h = _inputs(B, C, H, W, K, torch.float32, seed=3)
     got = _run_kernel(x, lam, gates, grad_h, chunk)
@@ -199,6 +199,7 @@ def test_cluster_forward_16bit(case, dtype, monkeypatch):
 
 
 def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
+    """auto: the forward's cluster kernel from H = 768, the backward's by problem size."""
     monkeypatch.delenv("GSPN2_KERNEL", raising=False)
     assert _cuda.plan(1, 2, 768, 32, 2, "float32")["cluster_ctas"] == 8
     x, lam, gates, _ = _inputs(1, 2, 768, 32, 2, torch.float32, seed=4)
@@ -206,6 +207,18 @@ def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
     a = gspn_propagate(xs, ls, gs, 40)
     assert torch.equal(a, gspn_propagate(xs, ls, gs, 40))
     torch.testing.assert_close(a, gspn_propagate_ref(xs.double(), ls.double(), gs.double(), 40).float(), rtol=1e-5, atol=1e-5)
+    # The backward from 2^20 elements (B * C * H * W) on: deterministic, and equal to the float64 reference.
+    case = (16, 4, 128, 128, 2, None)
+    assert _cuda.plan(*case[:5], "float32", backward=True)["cluster_ctas"] > 0
+    assert _cuda.plan(*case[:5], "float32")["cluster_ctas"] == 0
+    inputs = _inputs(*case[:5], torch.float32, seed=6)
+    got = _run_kernel(*inputs, None)
+    for name, u, v in zip(NAMES, got, _run_kernel(*inputs, None)):
+        assert torch.equal(u, v), name
+    ref = _reference64(*(t.cuda() for t in inputs), None)
+    scale = 1e-2 * inputs[3].double().norm().item()
+    for name, g, r in zip(NAMES, got, ref):
+        assert _rel(g, r, scale) <= FP32_TOL[name], name
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
