@@ -1,6 +1,7 @@
 // Error messages without iostreams. On the H200 image (torch 2.11), formatting a number through an
-// ostringstream (c10::str, TORCH_CHECK) inside this extension crashed the pytest process with SIGSEGV
-// instead of raising; numbers here go through std::to_string, which needs no stream or locale facet.
+// ostringstream (c10::str, TORCH_CHECK) inside this extension crashed with SIGSEGV (in the stream's
+// number output) instead of raising; numbers here go through std::to_string, which needs no stream or
+// locale facet. tests/ops/test_cuda.py::test_cpp_checks_name_the_tensor covers the path.
 #pragma once
 
 #include <c10/core/Device.h>

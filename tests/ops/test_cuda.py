@@ -325,7 +325,6 @@ print(_cuda._C.forward(x.cpu(), lam, gates, None)[1])
 """
 
 
-@pytest.mark.xfail(strict=False, reason="the C++ error path segfaulted on the H200 machine (torch 2.11); see docs")
 def test_cpp_checks_name_the_tensor():
     """The extension's own checks (reached only by calling gspn2._C directly), in a subprocess."""
     import subprocess
