@@ -127,10 +127,13 @@ def bench_shape(label, B, C, H, W, K, dt, bw, with_ref, with_sdpa):
     rec["plan_bwd"] = C_.plan(B, C, H, W, K, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt], True)
     rec["fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
     rec["bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
-    if rec["plan_fwd"].get("cluster_ctas"):  # the streaming kernel's horizontal scans instead, same run
-        os.environ["GSPN2_KERNEL"] = "fast"
+    if rec["plan_fwd"].get("cluster_ctas") or rec["plan_bwd"].get("cluster_ctas"):
+        os.environ["GSPN2_KERNEL"] = "fast"  # the streaming kernel's horizontal scans instead, same run
         try:
-            rec["stream_fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
+            if rec["plan_fwd"].get("cluster_ctas"):
+                rec["stream_fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
+            if rec["plan_bwd"].get("cluster_ctas"):
+                rec["stream_bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
         finally:
             del os.environ["GSPN2_KERNEL"]
     if rec["plan_fwd"].get("kernel") == "fast":  # the general kernels on the same inputs, same run
@@ -177,19 +180,22 @@ def markdown(records, bw, env):
         "(device-to-device, read + write). Times: median ms, four directions per call, chunk = None.",
         "",
         "| shape (B x C x H x W, K) | dtype | fwd ms | fwd floor ms | fwd % floor | bwd ms | bwd floor ms | "
-        "bwd % floor | general kernels fwd / bwd ms | streaming-only fwd ms | reference fwd ms | SDPA fwd / fwd+bwd ms | "
-        "kernel (channels per block) |",
+        "bwd % floor | general kernels fwd / bwd ms | streaming-only fwd / bwd ms | reference fwd ms | "
+        "SDPA fwd / fwd+bwd ms | kernel fwd; bwd (channels per block) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         pf = r["plan_fwd"]
         sd = "-" if r.get("sdpa_fwd_ms") is None else f"{fmt(r['sdpa_fwd_ms'])} / {fmt(r['sdpa_fwdbwd_ms'])}"
         gk = "-" if r.get("general_fwd_ms") is None else f"{fmt(r['general_fwd_ms'])} / {fmt(r['general_bwd_ms'])}"
+        st = "-" if r.get("stream_fwd_ms") is None and r.get("stream_bwd_ms") is None else \
+            f"{fmt(r.get('stream_fwd_ms'))} / {fmt(r.get('stream_bwd_ms'))}"
+        pb = r.get("plan_bwd")
         lines.append(
             f"| {r['label']}: {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {fmt(r['fwd_ms'])} | "
             f"{fmt(r['fwd_floor_ms'])} | {r['fwd_pct_floor']:.0f}% | {fmt(r['bwd_ms'])} | {fmt(r['bwd_floor_ms'])} | "
-            f"{r['bwd_pct_floor']:.0f}% | {gk} | {fmt(r.get('stream_fwd_ms'))} | {fmt(r.get('ref_fwd_ms'))} | {sd} | "
-            f"{kernel_name(pf)} |"
+            f"{r['bwd_pct_floor']:.0f}% | {gk} | {st} | {fmt(r.get('ref_fwd_ms'))} | {sd} | "
+            f"{kernel_name(pf)}; {kernel_name(pb) if pb else '-'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -227,36 +233,49 @@ def plot(records, path):
     fig.savefig(path, dpi=120)
 
 
-# Where the cluster kernel pays (float32 forward): (B, C, H, K), W = H.
+# Where the cluster kernels pay: (B, C, H, K), W = H; float32 and bf16 (the forward) ...
 CLUSTER_CHOICE_SHAPES = [(1, 8, h, 1) for h in (256, 384, 512, 768, 1024)] + [
     (16, 2, 512, 2), (16, 2, 768, 2), (16, 2, 1024, 2), (4, 2, 1024, 2), (64, 2, 256, 2)]
+# ... and smaller problems around the backward's threshold (2^20 elements), float32 only.
+CLUSTER_CHOICE_SMALL = [(32, 49, 32, 49), (128, 2, 32, 1), (128, 8, 64, 1), (1, 8, 64, 1), (1, 8, 128, 8),
+                        (16, 2, 128, 2), (64, 2, 128, 2), (16, 4, 128, 2), (1, 8, 192, 1), (16, 2, 256, 2)]
 
 
 def cluster_choice(out_dir: str) -> list:
-    """Forward time of the streaming kernels alone and with the cluster kernel at 2, 4 and 8 CTAs per
-    line (GSPN2_CLUSTER_CTAS), float32, same inputs, same run: the data behind the planner's choice."""
+    """Forward and backward time of the streaming kernels alone and with the cluster kernels at 2, 4 and 8
+    CTAs per line (GSPN2_CLUSTER_CTAS), same inputs, same run: the data behind the planner's choice."""
     rows = []
-    for B, C, H, K in CLUSTER_CHOICE_SHAPES:
-        x, lam, gates = inputs(B, C, H, H, K, torch.float32)
-        row = dict(B=B, C=C, H=H, W=H, K=K)
+    cases = [(shape, dt) for dt in ("fp32", "bf16") for shape in CLUSTER_CHOICE_SHAPES]
+    for (B, C, H, K), dt in cases + [(shape, "fp32") for shape in CLUSTER_CHOICE_SMALL]:
+        x, lam, gates = inputs(B, C, H, H, K, DT[dt])
+        h = _cuda.forward(x, lam, gates, None)
+        grad_h = torch.randn_like(h)
+        row = dict(B=B, C=C, H=H, W=H, K=K, dtype=dt)
+        name = {"fp32": "float32", "bf16": "bfloat16"}[dt]
         os.environ["GSPN2_KERNEL"] = "fast"
         row["stream_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
+        row["stream_bwd_ms"] = median_ms(lambda: _cuda.backward(grad_h, x, lam, gates, h, None))
         os.environ["GSPN2_KERNEL"] = "cluster"
         for n in (2, 4, 8):
+            os.environ["GSPN2_CLUSTER_CTAS"] = str(n)
             if (H + n - 1) // n <= 512:
-                os.environ["GSPN2_CLUSTER_CTAS"] = str(n)
                 row[f"cluster{n}_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
+            if (H + n - 1) // n <= 128 and dt == "fp32":  # the backward kernel is float32 only
+                row[f"cluster{n}_bwd_ms"] = median_ms(lambda: _cuda.backward(grad_h, x, lam, gates, h, None))
         del os.environ["GSPN2_CLUSTER_CTAS"], os.environ["GSPN2_KERNEL"]
-        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, "float32")["cluster_ctas"]
+        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, name)["cluster_ctas"]
+        row["auto_ctas_bwd"] = _cuda.plan(B, C, H, H, K, name, True)["cluster_ctas"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del x, lam, gates
+        del x, lam, gates, h, grad_h
         torch.cuda.empty_cache()
-    lines = ["| B x C x H x W, K | streaming only ms | cluster, 2 CTAs/line | 4 | 8 | auto picks |", "|---|---|---|---|---|---|"]
+    lines = ["| B x C x H x W, K | dtype | pass | streaming only ms | cluster, 2 CTAs/line | 4 | 8 | auto picks |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [fmt(r.get(f"cluster{n}_ms")) for n in (2, 4, 8)]
-        lines.append(f"| {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {fmt(r['stream_ms'])} | " + " | ".join(cells) +
-                     f" | {r['auto_ctas'] or 'streaming'} |")
+        for pas, sfx, auto in (("fwd", "", "auto_ctas"), ("bwd", "_bwd", "auto_ctas_bwd")):
+            cells = [fmt(r.get(f"cluster{n}{sfx}_ms")) for n in (2, 4, 8)]
+            lines.append(f"| {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {pas} | "
+                         f"{fmt(r[f'stream{sfx}_ms'])} | " + " | ".join(cells) + f" | {r[auto] or 'streaming'} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "bench_cluster_choice.md"), "w") as f:
         f.write(md)

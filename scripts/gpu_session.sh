@@ -50,17 +50,20 @@ import os
 os.environ["GSPN2_KERNEL"] = "cluster"
 import torch, gspn2
 from gspn2.ops import gspn_propagate
-for (B, C, H, W, K, chunk) in [(1, 2, 40, 32, 1, None), (1, 1, 300, 48, 1, 7)]:
-    x = torch.randn(B, C, H, W, device="cuda")
-    lam = torch.randn(B, 4, C, H, W, device="cuda")
-    g = torch.randn(B, 4, 3, K, H, W, device="cuda")
-    gspn_propagate(x, lam, g, chunk)
+for (B, C, H, W, K, chunk) in [(1, 2, 40, 32, 1, None), (1, 1, 300, 48, 1, 7), (1, 4, 37, 32, 2, 3)]:
+    x = torch.randn(B, C, H, W, device="cuda", requires_grad=True)
+    lam = torch.randn(B, 4, C, H, W, device="cuda", requires_grad=True)
+    g = torch.randn(B, 4, 3, K, H, W, device="cuda", requires_grad=True)
+    h = gspn_propagate(x, lam, g, chunk)
+    torch.autograd.grad(h, (x, lam, g), torch.randn_like(h))  # the backward on autograd's thread
 torch.cuda.synchronize()
 print("sanitize cluster case ok")
 PYEOF
-  timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 $PY /tmp/sanitize_cluster.py \
-    >"$OUT/sanitizer_cluster_memcheck.log" 2>&1
-  echo "compute-sanitizer memcheck (cluster kernel) rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_cluster_memcheck.log" | head -1)"
+  for tool in ${SANITIZERS:-memcheck racecheck}; do
+    timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --print-limit 20 $PY /tmp/sanitize_cluster.py \
+      >"$OUT/sanitizer_cluster_$tool.log" 2>&1
+    echo "compute-sanitizer $tool (cluster kernels, forward + backward) rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_cluster_$tool.log" | head -2 | tr '\n' ' ')"
+  done
   echo "sanitizers: $(( $(date +%s) - t0 )) s"
 fi
 

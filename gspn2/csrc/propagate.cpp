@@ -14,13 +14,15 @@
 #include <tuple>
 #include <vector>
 
+#include "message.h"
 #include "propagate.h"
 
 // Input errors raise ValueError naming the tensor (std::invalid_argument through pybind11), without
-// building a c10::Error (its C++ backtrace capture is slow, and crashed in one sandboxed environment).
-#define GSPN2_CHECK(cond, ...)                                              \
-  do {                                                                      \
-    if (!(cond)) throw std::invalid_argument(c10::str("gspn2: ", __VA_ARGS__)); \
+// building a c10::Error (its C++ backtrace capture is slow, and crashed in one sandboxed environment) and
+// without c10::str (message.h).
+#define GSPN2_CHECK(cond, ...)                                                     \
+  do {                                                                             \
+    if (!(cond)) throw std::invalid_argument(gspn2::message("gspn2: ", __VA_ARGS__)); \
   } while (0)
 #define CHECK_CUDA(t) GSPN2_CHECK((t).is_cuda(), "`" #t "` must be a CUDA tensor, got ", (t).device())
 #define CHECK_SAME_DEVICE(t, ref) \
@@ -83,22 +85,32 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
 // multiple of the tile and it fits. GSPN2_KERNEL=general forces the general kernels (tests, comparisons).
-// The forward's horizontal directions go to the cluster kernel (float32, W a multiple of its tile,
-// sm_90) for lines of at least kClusterAutoMinLine rows, or always with GSPN2_KERNEL=cluster: the
+// The horizontal directions go to the cluster kernel (float32, W a multiple of its tile, sm_90): the forward
+// for lines of at least kClusterAutoMinLine rows, the backward for problems of at least
+// kClusterAutoMinElemsBwd elements (B * C * H * W), or always with GSPN2_KERNEL=cluster: the
 // fewest CTAs per line whose rows fit one CTA, doubled (up to 8) while the launch leaves SMs idle;
 // GSPN2_CLUSTER_CTAS overrides the count (benchmarks).
-void plan_cluster(PropagateParams& p, const std::string& kind, int smem_limit, int nsm, int cc_major) {
+void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, int smem_limit, int nsm, int cc_major) {
   p.ncta = 0;
   p.cluster_smem = 0;
-  if (kind != "cluster" && !(kind == "auto" && p.H >= kClusterAutoMinLine)) return;
-  const bool able = p.dtype == ScalarType::Float && p.W % kClusterTile == 0 && cc_major >= 9;
-  if (!able) {
-    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs float32 inputs, W a multiple of ", kClusterTile,
+  // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
+  const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
+  if (kind != "cluster" && !(kind == "auto" && large)) return;
+  // auto: float32 only (the 16-bit forward measured slower than the streaming kernels on most shapes); the
+  // backward kernel is float32 only.
+  if ((kind == "auto" || backward) && p.dtype != ScalarType::Float) return;
+  if (p.W % kClusterTile != 0 || cc_major < 9) {
+    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs W a multiple of ", kClusterTile,
                 " and an sm_90 GPU; got W = ", p.W, ", compute capability ", cc_major, ".x");
     return;
   }
+  const int max_rows = backward ? kClusterMaxRowsBwd : kClusterMaxRows;
   int ncta = 2;
-  while (ncta < 8 && (p.H + ncta - 1) / ncta > kClusterMaxRows) ncta *= 2;
+  while (ncta < 8 && (p.H + ncta - 1) / ncta > max_rows) ncta *= 2;
+  if ((p.H + ncta - 1) / ncta > max_rows) {
+    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster: ", p.H, " rows do not fit 8 CTAs of ", max_rows);
+    return;
+  }
   // 10 * CTAs < 9 * SMs: B16 C2 (128 CTAs of 2 per line on 132 SMs) measured faster than 4 per line.
   while (ncta < 8 && int64_t(20) * p.B * p.C * ncta < int64_t(9) * nsm &&
          (p.H + 2 * ncta - 1) / (2 * ncta) >= 2 * kClusterTile) {
@@ -106,12 +118,12 @@ void plan_cluster(PropagateParams& p, const std::string& kind, int smem_limit, i
   }
   if (const char* forced = std::getenv("GSPN2_CLUSTER_CTAS")) {  // benchmarks: 2, 4 or 8 CTAs per line
     const int n = std::atoi(forced);
-    GSPN2_CHECK((n == 2 || n == 4 || n == 8) && (p.H + n - 1) / n <= kClusterMaxRows,
-                "GSPN2_CLUSTER_CTAS must be 2, 4 or 8 with at most ", kClusterMaxRows, " rows per CTA, got '", forced,
+    GSPN2_CHECK((n == 2 || n == 4 || n == 8) && (p.H + n - 1) / n <= max_rows,
+                "GSPN2_CLUSTER_CTAS must be 2, 4 or 8 with at most ", max_rows, " rows per CTA, got '", forced,
                 "' for H = ", p.H);
     ncta = n;
   }
-  const ClusterShape s = cluster_shape(p.H, ncta);
+  const ClusterShape s = cluster_shape(p.H, ncta, backward, element_size(p.dtype));
   if (s.smem > smem_limit) {
     GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster: ", s.smem, " bytes of shared memory per CTA do not fit ",
                 smem_limit);
@@ -134,14 +146,14 @@ bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit, int nsm, 
                 kFastMaxLine, " pixels, got ", lmax);
     return false;
   }
-  if (!backward) plan_cluster(p, kind, smem_limit, nsm, cc_major);
+  plan_cluster(p, backward, kind, smem_limit, nsm, cc_major);
   const int esize = element_size(p.dtype);
   p.kernel = 2;
   p.nt = round_up(lmax, 32);
   // The widest slice (gates read by fewer blocks) that still gives every SM a block; one channel per
   // block when even that leaves SMs idle (B = 1 with shared gates).
-  p.cs = 1;
-  if (p.nt <= kFastSmallThreads) {
+  p.cs = 1;  // the backward with the cluster kernel: one channel per block, so both write gate partials per channel
+  if (p.nt <= kFastSmallThreads && !(backward && p.ncta > 0)) {
     for (const int cs : {4, 2}) {
       if (p.G % cs == 0 && int64_t(4) * p.B * p.K * (p.G / cs) >= nsm) {
         p.cs = cs;
@@ -341,6 +353,8 @@ std::vector<at::Tensor> propagate_backward(const at::Tensor& grad_h_, const at::
   p.grad_x_part = grad_x_part.data_ptr<float>();
   p.grad_gates_part = p.nsl > 1 ? grad_gates_part.data_ptr<float>() : nullptr;
   if (p.kernel == 2) {
+    // With the cluster kernel: the horizontal directions first, then the vertical blocks and the reduce pass.
+    if (p.ncta > 0 && !(p.ablate & 8)) launch_backward_cluster(p, c10::cuda::getCurrentCUDAStream());
     launch_backward_fast(p, c10::cuda::getCurrentCUDAStream());
   } else {
     launch_backward(p, c10::cuda::getCurrentCUDAStream());

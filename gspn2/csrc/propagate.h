@@ -28,7 +28,9 @@ constexpr int kFastTileB = 4;           // backward: scan steps per horizontal t
 // split over 2, 4 or 8 CTAs of a thread-block cluster, at most kClusterMaxRows own rows per CTA.
 constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per side
 constexpr int kClusterMaxRows = 512;
-constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto takes it for H >= this (bench_op.py --cluster-choice)
+constexpr int kClusterMaxRowsBwd = 128;  // the backward stages 7 planes twice and 5 output planes
+constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto: the forward for H >= this (bench_op.py --cluster-choice)
+constexpr int64_t kClusterAutoMinElemsBwd = int64_t(1) << 20;  // ... the backward for B * C * H * W >= this
 
 // Division by a launch-invariant divisor through a multiply (Granlund-Montgomery round-up method):
 // d >= 1 and numerators below 2^31. Set up on the host, used by the kernels.
@@ -103,7 +105,7 @@ struct PropagateParams {
   int nt;      // threads per block: one per line position, rounded up to a warp
   int pp;      // floats per fp32 exchange line in shared memory (longest line + 2 halo, rounded)
   int tile_h;  // horizontal scans load tiles of kFastTileF / kFastTileB steps through a per-thread stage
-  int ncta;          // > 0: the horizontal directions' forward runs in the cluster kernel, ncta CTAs per line
+  int ncta;          // > 0: the horizontal directions run in the cluster kernel, ncta CTAs per line
   int cluster_smem;  // its dynamic shared memory per CTA
   int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans
   CopySet copy[2][kNumCopyKinds];
@@ -227,8 +229,9 @@ struct ClusterShape {
   int oboxrows, onbox;  // TMA output boxes per tile
   int smem;             // dynamic shared memory per CTA
 };
-ClusterShape cluster_shape(int H, int ncta);
+ClusterShape cluster_shape(int H, int ncta, bool backward, int esize);
 void launch_forward_cluster(const PropagateParams& p, cudaStream_t stream);
+void launch_backward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_fast(const PropagateParams& p, cudaStream_t stream);
 
 }  // namespace gspn2

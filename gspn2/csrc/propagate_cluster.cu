@@ -20,6 +20,8 @@
 // The arithmetic per pixel is the streaming kernels' (same normalisation, same fma order): the outputs
 // are bitwise equal to GSPN2_KERNEL=fast (tested).
 #include <cooperative_groups.h>
+#include <stdexcept>
+#include <string>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -27,6 +29,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include "message.h"
 #include "propagate.h"
 #include "propagate_device.cuh"
 
@@ -42,7 +45,10 @@ constexpr int kMaxThreads = kClusterMaxRows + 2 * HALO;
 
 struct ClusterParams {
   CUtensorMap tm_x, tm_lam, tm_g, tm_h;  // (W, H, planes) maps, boxes of T columns
-  int C, K, H, W;
+  // Backward: grad_h and the outputs (grad_lam, the grad_x terms, the gate gradients or their partials).
+  CUtensorMap tm_gh, tm_glam, tm_gx, tm_gg;
+  int B, C, K, H, W;
+  int G, part;           // backward: channels per group; gate gradients as per-channel fp32 partials
   int R, NT;             // own rows per CTA, threads per CTA (R + 2 * HALO)
   int boxrows, nbox;     // input boxes per plane and tile
   int oboxrows, onbox;   // output boxes per tile
@@ -88,11 +94,63 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 }
 // 16-byte piece v of row r in a stage of 64-byte rows, as TMA's 64-byte swizzle places it
 __device__ __forceinline__ float4* piece(float4* base, int r, int v) { return base + r * 4 + (v ^ ((r >> 1) & 3)); }
+__device__ __forceinline__ float el(const float4& f, int e) { return reinterpret_cast<const float*>(&f)[e]; }
+
+// Gradients of the gate logits through the normalisation (the streaming kernels' gate_grads).
+__device__ __forceinline__ void gate_grads(const dev::Gates& gt, float gw0, float gw1, float gw2, int q, int L,
+                                           float& gg0, float& gg1, float& gg2) {
+  const float dot = (gw0 * gt.a0 + gw1 * gt.s1) + gw2 * gt.a2;
+  const float corr = gt.total >= kNormEps ? dot * gt.inv * gt.inv : 0.f;
+  gg0 = q > 0 ? (gw0 * gt.inv - corr) * (gt.s0 * (1.f - gt.s0)) : 0.f;
+  gg1 = (gw1 * gt.inv - corr) * (gt.s1 * (1.f - gt.s1));
+  gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * (gt.s2 * (1.f - gt.s2)) : 0.f;
+}
+
+// A stage row holds one row's T steps of one plane: 64 bytes (fp32, TMA's 64-byte swizzle: 16-byte
+// piece ^= (row >> 1) & 3) or 32 bytes (16-bit, 32-byte swizzle: piece ^= (row >> 2) & 1).
+template <typename scalar_t>
+struct RowIO {
+  using EL = dev::Elem<scalar_t>;
+  using Bits = typename EL::bits;
+  static constexpr int ES = int(sizeof(Bits)), EPP = 16 / ES, NPC = T / EPP, RB = T * ES;
+  static __device__ __forceinline__ int offset(int r, int pc) {
+    return r * RB + 16 * (RB == 64 ? (pc ^ ((r >> 1) & 3)) : (pc ^ ((r >> 2) & 1)));
+  }
+  static __device__ __forceinline__ uint4 load(const unsigned char* plane, int r, int pc) {
+    return *reinterpret_cast<const uint4*>(plane + offset(r, pc));
+  }
+  static __device__ __forceinline__ uint32_t word(const uint4& u, int k) {
+    return k == 0 ? u.x : k == 1 ? u.y : k == 2 ? u.z : u.w;
+  }
+  // Element e of a 16-byte piece, as float (e a compile-time index after unrolling).
+  static __device__ __forceinline__ float get(const uint4& u, int e) {
+    if constexpr (ES == 4) {
+      return __uint_as_float(word(u, e));
+    } else {
+      const uint32_t w = word(u, e >> 1);
+      return EL::load(Bits((e & 1) ? (w >> 16) : (w & 0xffffu)));
+    }
+  }
+  static __device__ __forceinline__ void store(unsigned char* plane, int r, int pc, const float (&v)[EPP]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (ES == 4) {
+        w[k] = EL::store(v[k]);
+      } else {
+        w[k] = uint32_t(EL::store(v[2 * k])) | (uint32_t(EL::store(v[2 * k + 1])) << 16);
+      }
+    }
+    *reinterpret_cast<uint4*>(plane + offset(r, pc)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
 #endif
 
-template <int NCTA>
+template <typename scalar_t, int NCTA>
 __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using IO = RowIO<scalar_t>;
+  constexpr int RB = IO::RB, EPP = IO::EPP;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
@@ -108,12 +166,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   const bool own = i >= HALO && i < HALO + p.R && q < p.H;
 
   // Layout (the TMA boxes need 1024-byte alignment for the swizzle): stage [NPLANE][srows] rows of
-  // 64 bytes, output stage [orows] rows, then the exchange lines, the inboxes and the mbarrier.
+  // RB bytes, output stage [orows] rows, then the exchange lines, the inboxes and the mbarrier.
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const int srows = p.nbox * p.boxrows, orows = p.onbox * p.oboxrows;
-  float4* const stage = reinterpret_cast<float4*>(base);
-  float4* const ostage = stage + size_t(NPLANE) * srows * 4;
-  float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * 4);  // [2][nt + 2], row i at i + 1
+  unsigned char* const stage = base;
+  unsigned char* const ostage = stage + size_t(NPLANE) * srows * RB;
+  float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * RB);  // [2][nt + 2], row i at i + 1
   float* const inbox = line + 2 * (nt + 2);                                  // [2 tiles][lower, upper][HALO]
   uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 4 * HALO + 2);
   for (int k = i; k < 2 * (nt + 2) + 4 * HALO; k += blockDim.x) line[k] = 0.f;
@@ -122,18 +180,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   const int pl = (b * 4 + d) * p.C + c;          // plane of lam and of h
   const int pg = (b * 4 + d) * 3 * p.K + grp;    // plane of the first gate logits
   const int ntl = p.W / T;
-  const uint32_t tx_bytes = uint32_t(NPLANE) * srows * T * 4;
+  const uint32_t tx_bytes = uint32_t(NPLANE) * srows * RB;
   auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
   auto issue = [&](int kt) {  // thread 0
     mbar_expect_tx(bar, tx_bytes);
     const int j0 = col0(kt);
     for (int bx = 0; bx < p.nbox; ++bx) {
       const int r = row0 + bx * p.boxrows;
-      float4* dst = stage + size_t(bx) * p.boxrows * 4;
+      unsigned char* dst = stage + size_t(bx) * p.boxrows * RB;
       tma_load(dst, &p.tm_x, j0, r, px, bar);
-      tma_load(dst + size_t(srows) * 4, &p.tm_lam, j0, r, pl, bar);
+      tma_load(dst + size_t(srows) * RB, &p.tm_lam, j0, r, pl, bar);
 #pragma unroll
-      for (int k = 0; k < 3; ++k) tma_load(dst + size_t(2 + k) * srows * 4, &p.tm_g, j0, r, pg + k * p.K, bar);
+      for (int k = 0; k < 3; ++k) tma_load(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, bar);
     }
   };
   if (i == 0) {
@@ -149,20 +207,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   for (int kt = 0; kt < ntl; ++kt) {
     mbar_wait(bar, kt & 1);
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      float4 f[NPLANE];
+    for (int pc = 0; pc < IO::NPC; ++pc) {
+      uint4 f[NPLANE];
 #pragma unroll
-      for (int k = 0; k < NPLANE; ++k) f[k] = *piece(stage + size_t(k) * srows * 4, i, v);
-      const float* fx = reinterpret_cast<const float*>(&f[0]);
-      const float* fl = reinterpret_cast<const float*>(&f[1]);
-      const float* f0 = reinterpret_cast<const float*>(&f[2]);
-      const float* f1 = reinterpret_cast<const float*>(&f[3]);
-      const float* f2 = reinterpret_cast<const float*>(&f[4]);
+      for (int k = 0; k < NPLANE; ++k) f[k] = IO::load(stage + size_t(k) * srows * RB, i, pc);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;  // d = 1 walks the tile's columns backwards
-        const dev::Gates g = dev::normalise(f0[e], f1[e], f2[e], q, p.H);
-        xl[t] = fx[e] * fl[e];
+      for (int e = 0; e < EPP; ++e) {
+        const int j = pc * EPP + e;               // column j of the tile
+        const int t = d == 0 ? j : T - 1 - j;     // d = 1 walks the tile's columns backwards
+        const dev::Gates g = dev::normalise(IO::get(f[2], e), IO::get(f[3], e), IO::get(f[4], e), q, p.H);
+        xl[t] = IO::get(f[0], e) * IO::get(f[1], e);
         w0[t] = g.a0 * g.inv, w1[t] = g.s1 * g.inv, w2[t] = g.a2 * g.inv;
       }
     }
@@ -206,17 +260,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
     }
     if (own) {
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const int e = 4 * v;
-        *piece(ostage, i - HALO, v) = d == 0 ? make_float4(xl[e], xl[e + 1], xl[e + 2], xl[e + 3])
-                                             : make_float4(xl[T - 1 - e], xl[T - 2 - e], xl[T - 3 - e], xl[T - 4 - e]);
+      for (int pc = 0; pc < IO::NPC; ++pc) {
+        float v[EPP];
+#pragma unroll
+        for (int e = 0; e < EPP; ++e) {
+          const int j = pc * EPP + e;
+          v[e] = xl[d == 0 ? j : T - 1 - j];
+        }
+        IO::store(ostage, i - HALO, pc, v);
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA store
     }
     __syncthreads();  // output stage complete
     if (i == 0) {
       for (int bo = 0; bo < p.onbox; ++bo) {
-        tma_store(&p.tm_h, col0(kt), rank * p.R + bo * p.oboxrows, pl, ostage + size_t(bo) * p.oboxrows * 4);
+        tma_store(&p.tm_h, col0(kt), rank * p.R + bo * p.oboxrows, pl, ostage + size_t(bo) * p.oboxrows * RB);
       }
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
@@ -225,6 +283,215 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   cluster.sync();  // no CTA leaves while a neighbour may still store into its shared memory
 #endif
 }
+
+// Backward of the horizontal directions on the same tiling, tiles from the end of the scan. Per tile:
+//   * TMA loads of 7 planes (x, lam, 3 gate logits, grad_h, the saved h) into one of two stage buffers
+//     (the next tile's loads overlap this one, and bring h_{s-1} of this tile's first step);
+//   * the tile's normalised weights and grad_h into registers;
+//   * phase A, sequential: the adjoint adj_s = grad_h_s + sum_o w_o[s+1](q - o) adj_{s+1}(q - o) through
+//     three double-buffered lines of C_o = w_o * adj, one CTA barrier per step; halo rows take the
+//     neighbours' exact C_o of the previous tile's last step from the inbox (pushed, one split cluster
+//     barrier per tile);
+//   * phase B, parallel: grad_lam = x adj, the grad_x term lam adj, the gate-logit gradients (h_{s-1} of
+//     rows q - 1, q, q + 1 from the stage), into an output stage that leaves as TMA box stores.
+// Outputs of the own rows only; the arithmetic per pixel is the streaming backward's (backward_step).
+constexpr int kMaxThreadsBwd = kClusterMaxRowsBwd + 2 * HALO;
+constexpr int NIN_B = 7, NOUT_B = 5;
+
+template <int NCTA>
+__global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kernel(const __grid_constant__ ClusterParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int cid = blockIdx.x / NCTA;
+  const int d = cid & 1;
+  const int c = (cid >> 1) % p.C;
+  const int b = (cid >> 1) / p.C;
+  const int grp = c / p.G;
+  const int nt = p.NT, i = threadIdx.x;
+  const int row0 = rank * p.R - HALO;
+  const int q = row0 + i;
+  const bool inimg = q >= 0 && q < p.H;
+  const bool own = i >= HALO && i < HALO + p.R && q < p.H;
+
+  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int srows = p.boxrows;
+  float4* const stage0 = reinterpret_cast<float4*>(base);                          // [2][NIN_B][srows][4]
+  float4* const ostage = stage0 + size_t(2) * NIN_B * srows * 4;                    // [NOUT_B][R][4]
+  float* const lines = reinterpret_cast<float*>(ostage + size_t(NOUT_B) * p.R * 4);  // [2][3][nt + 2]
+  float* const inbox = lines + 6 * (nt + 2);                                        // [2][2 sides][3][HALO]
+  uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 12 * HALO + 2);         // [2], 8-byte aligned
+  for (int k = i; k < 6 * (nt + 2) + 12 * HALO; k += blockDim.x) lines[k] = 0.f;
+
+  const int px = b * p.C + c;
+  const int pl = (b * 4 + d) * p.C + c;        // lam, grad_h, h, grad_lam
+  const int pg = (b * 4 + d) * 3 * p.K + grp;  // first gate plane
+  const int pgx = (d * p.B + b) * p.C + c;      // grad_x term of direction d: (4, B, C, H, W)
+  // gate gradients: (B, 4, 3, K, H, W), or the per-channel partials (G, B, 4, 3, K, H, W)
+  const int pgg = p.part ? (c % p.G) * p.B * 12 * p.K + pg : pg;
+  const int ntl = p.W / T;
+  const uint32_t tx_bytes = uint32_t(NIN_B) * srows * T * 4;
+  auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
+  auto plane = [&](int buf, int k) { return stage0 + (size_t(buf) * NIN_B + k) * srows * 4; };
+  auto issue = [&](int kt, int buf) {  // thread 0
+    uint64_t* mb = &bar[buf];
+    mbar_expect_tx(mb, tx_bytes);
+    const int j0 = col0(kt);
+    tma_load(plane(buf, 0), &p.tm_x, j0, row0, px, mb);
+    tma_load(plane(buf, 1), &p.tm_lam, j0, row0, pl, mb);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) tma_load(plane(buf, 2 + k), &p.tm_g, j0, row0, pg + k * p.K, mb);
+    tma_load(plane(buf, 5), &p.tm_gh, j0, row0, pl, mb);
+    tma_load(plane(buf, 6), &p.tm_h, j0, row0, pl, mb);
+  };
+  if (i == 0) {
+    mbar_init(&bar[0], 1);
+    mbar_init(&bar[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (i == 0) issue(ntl - 1, 0);
+  cluster.sync();
+
+  float w0[T], w1[T], w2[T], A[T];  // per step t of the tile: weights; grad_h, then the adjoint
+  int par = 0;
+  int sm = (p.W - 1) % p.ce;
+  for (int m = 0; m < ntl; ++m) {
+    const int kt = ntl - 1 - m, buf = m & 1;
+    mbar_wait(&bar[buf], (m >> 1) & 1);
+    if (i == 0 && kt > 0) issue(kt - 1, buf ^ 1);  // that buffer was last read before the previous tile's end
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const float4 g0 = *piece(plane(buf, 2), i, v), g1 = *piece(plane(buf, 3), i, v);
+      const float4 g2 = *piece(plane(buf, 4), i, v), gh = *piece(plane(buf, 5), i, v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;
+        const dev::Gates gt = dev::normalise(el(g0, e), el(g1, e), el(g2, e), q, p.H);
+        w0[t] = gt.a0 * gt.inv, w1[t] = gt.s1 * gt.inv, w2[t] = gt.a2 * gt.inv;
+        A[t] = inimg ? el(gh, e) : 0.f;
+      }
+    }
+    if (m > 0) {
+      cluster_wait_acquire();  // the neighbours' C_o of step (kt + 1) T are in my inbox
+      const float* box = inbox + ((m - 1) & 1) * 6 * HALO;
+      float* rd = lines + par * 3 * (nt + 2);
+      if (i < HALO && rank > 0) {
+#pragma unroll
+        for (int o = 0; o < 3; ++o) rd[o * (nt + 2) + i + 1] = box[o * HALO + i];
+      }
+      if (i >= HALO + p.R && rank < NCTA - 1) {
+#pragma unroll
+        for (int o = 0; o < 3; ++o) rd[o * (nt + 2) + i + 1] = box[(3 + o) * HALO + i - HALO - p.R];
+      }
+    }
+    __syncthreads();
+
+    // Phase A: steps t = T - 1 .. 0 (scan step s = kt T + t).
+    float c0v = 0.f, c1v = 0.f, c2v = 0.f;
+#pragma unroll
+    for (int tt = 0; tt < T; ++tt) {
+      const int t = T - 1 - tt;
+      const int s = kt * T + t;
+      const bool restart = sm == 0;
+      const bool has_next = s < p.W - 1 && sm + 1 != p.ce;
+      const float* rd = lines + par * 3 * (nt + 2);
+      float* wr = lines + (par ^ 1) * 3 * (nt + 2);
+      float adj = A[t];
+      if (has_next && inimg) adj += (rd[1 * (nt + 2) + i + 1] + rd[0 * (nt + 2) + i + 2]) + rd[2 * (nt + 2) + i];
+      A[t] = adj;
+      c0v = c1v = c2v = 0.f;
+      if (!restart) {
+        c0v = w0[t] * adj, c1v = w1[t] * adj, c2v = w2[t] * adj;
+        wr[0 * (nt + 2) + i + 1] = c0v;
+        wr[1 * (nt + 2) + i + 1] = c1v;
+        wr[2 * (nt + 2) + i + 1] = c2v;
+      }
+      if (tt + 1 < T) __syncthreads();
+      par ^= 1;
+      sm = (sm == 0) ? p.ce - 1 : sm - 1;
+    }
+    if (kt > 0) {  // my boundary rows' C_o of step kt T go to the neighbours' halo rows, then arrive
+      float* box = inbox + (m & 1) * 6 * HALO;
+      if (rank > 0 && i >= HALO && i < 2 * HALO) {
+        float* nb = cluster.map_shared_rank(box, rank - 1);
+        nb[3 * HALO + i - HALO] = c0v, nb[4 * HALO + i - HALO] = c1v, nb[5 * HALO + i - HALO] = c2v;
+      }
+      if (rank < NCTA - 1 && i >= p.R && i < p.R + HALO) {
+        float* nb = cluster.map_shared_rank(box, rank + 1);
+        nb[i - p.R] = c0v, nb[HALO + i - p.R] = c1v, nb[2 * HALO + i - p.R] = c2v;
+      }
+      cluster_arrive_release();
+    }
+    if (i == 0 && m > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    __syncthreads();  // output stage free
+
+    // Phase B: h_{s-1} of rows q - 1, q, q + 1 at step t is this tile's step t - 1, or for t = 0 the last
+    // step of tile kt - 1 (the other stage buffer).
+    if (own) {
+      float hs[3][T];
+#pragma unroll
+      for (int r = 0; r < 3; ++r) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const float4 f = *piece(plane(buf, 6), i - 1 + r, v);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;
+            if (t + 1 < T) hs[r][t + 1] = el(f, e);
+          }
+        }
+        hs[r][0] = 0.f;
+      }
+      if (kt > 0) {
+        mbar_wait(&bar[buf ^ 1], ((m + 1) >> 1) & 1);
+        const int jl = d == 0 ? T - 1 : 0;  // stage element of a tile's last scan step
+#pragma unroll
+        for (int r = 0; r < 3; ++r) hs[r][0] = el(*piece(plane(buf ^ 1, 6), i - 1 + r, jl >> 2), jl & 3);
+      }
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const float4 fx = *piece(plane(buf, 0), i, v), fl = *piece(plane(buf, 1), i, v);
+        const float4 g0 = *piece(plane(buf, 2), i, v), g1 = *piece(plane(buf, 3), i, v);
+        const float4 g2 = *piece(plane(buf, 4), i, v);
+        float o[NOUT_B][4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;
+          const float adj = A[t];
+          o[0][e] = el(fx, e) * adj;
+          o[1][e] = el(fl, e) * adj;
+          o[2][e] = o[3][e] = o[4][e] = 0.f;
+          if ((kt * T + t) % p.ce != 0) {
+            const dev::Gates gt = dev::normalise(el(g0, e), el(g1, e), el(g2, e), q, p.H);
+            const float gw0 = fmaf(adj, hs[0][t], 0.f), gw1 = fmaf(adj, hs[1][t], 0.f);
+            const float gw2 = fmaf(adj, hs[2][t], 0.f);
+            gate_grads(gt, gw0, gw1, gw2, q, p.H, o[2][e], o[3][e], o[4][e]);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < NOUT_B; ++k) {
+          *piece(ostage + size_t(k) * p.R * 4, i - HALO, v) = make_float4(o[k][0], o[k][1], o[k][2], o[k][3]);
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();  // output stage complete; stage buffer `buf` read
+    if (i == 0) {
+      const int j0 = col0(kt), r0 = rank * p.R;
+      tma_store(&p.tm_glam, j0, r0, pl, ostage);
+      tma_store(&p.tm_gx, j0, r0, pgx, ostage + size_t(1) * p.R * 4);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) tma_store(&p.tm_gg, j0, r0, pgg + k * p.K, ostage + size_t(2 + k) * p.R * 4);
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  }
+  if (i == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  cluster.sync();
+#endif
+}
+
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -239,21 +506,52 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-// (W, H, planes) float32 map of a contiguous tensor; boxes of T columns x boxrows rows x 1 plane.
-void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, int boxrows) {
+// (W, H, planes) map of a contiguous tensor; boxes of T columns x boxrows rows x 1 plane: rows of 64 bytes
+// (float32, 64-byte swizzle) or 32 bytes (16-bit, 32-byte swizzle), as RowIO reads them.
+void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, int boxrows,
+              ScalarType dtype = ScalarType::Float) {
+  const cuuint64_t es = dtype == ScalarType::Float ? 4 : 2;
   const cuuint64_t dims[3] = {cuuint64_t(W), cuuint64_t(H), cuuint64_t(planes)};
-  const cuuint64_t strides[2] = {cuuint64_t(W) * 4, cuuint64_t(W) * H * 4};
+  const cuuint64_t strides[2] = {cuuint64_t(W) * es, cuuint64_t(W) * H * es};
   const cuuint32_t box[3] = {cuuint32_t(T), cuuint32_t(boxrows), 1};
   const cuuint32_t estr[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<void*>(ptr), dims, strides, box,
-                                    estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+  const CUtensorMapDataType type = dtype == ScalarType::Float  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : dtype == ScalarType::Half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode_tiled()(map, type, 3, const_cast<void*>(ptr), dims, strides, box, estr,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    es == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
                                     CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "gspn2: cuTensorMapEncodeTiled failed (", int(r), ")");
+  if (r != CUDA_SUCCESS) {
+    throw std::runtime_error(message("gspn2: cuTensorMapEncodeTiled failed (CUresult ", int(r), ") for a (", W, ", ", H,
+                                     ", ", planes, ") map with boxes of ", boxrows, " rows"));
+  }
+}
+
+// The driver call that encodes tensor maps needs a current context on the calling thread. The backward
+// runs on autograd's device thread, where no runtime call may have bound one yet (cuTensorMapEncodeTiled
+// then returns CUDA_ERROR_INVALID_CONTEXT): bind the current device's primary context first.
+void bind_context() {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaSetDevice(dev));
+}
+
+using ClusterKernel = void (*)(ClusterParams);
+
+template <int NCTA>
+ClusterKernel pick_kernel(ScalarType dtype, bool backward) {
+  if (backward) return gspn_backward_cluster_kernel<NCTA>;  // float32 only (plan)
+  switch (dtype) {
+    case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA>;
+    case ScalarType::BFloat16: return gspn_forward_cluster_kernel<__nv_bfloat16, NCTA>;
+    default: return gspn_forward_cluster_kernel<float, NCTA>;
+  }
 }
 
 template <int NCTA>
-void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStream_t stream) {
-  auto kernel = gspn_forward_cluster_kernel<NCTA>;
+void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStream_t stream, bool backward) {
+  const ClusterKernel kernel = pick_kernel<NCTA>(pp.dtype, backward);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pp.cluster_smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(NCTA * 2 * pp.B * pp.C);
@@ -272,36 +570,77 @@ void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStrea
 
 }  // namespace
 
-ClusterShape cluster_shape(int H, int ncta) {
+ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
   ClusterShape s;
   s.R = round_up((H + ncta - 1) / ncta, 16);  // output boxes of a multiple of 8 rows end at the CTA's rows
   s.NT = s.R + 2 * kClusterTile;
+  if (backward) {  // one box per plane (NT <= 160): two buffers of 7 planes, 5 output planes
+    s.nbox = s.onbox = 1;
+    s.boxrows = round_up(s.NT, 8);
+    s.oboxrows = s.R;
+    s.smem = 1024 + 2 * NIN_B * s.boxrows * kClusterTile * 4 + NOUT_B * s.R * kClusterTile * 4 +
+             (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
+    return s;
+  }
   s.nbox = (s.NT + 255) / 256;  // TMA boxes have at most 256 rows
   s.boxrows = round_up((s.NT + s.nbox - 1) / s.nbox, 8);
   s.onbox = (s.R + 255) / 256;
   s.oboxrows = s.R / s.onbox;
-  s.smem = 1024 + NPLANE * s.nbox * s.boxrows * kClusterTile * 4 + s.onbox * s.oboxrows * kClusterTile * 4 +
+  s.smem = 1024 + NPLANE * s.nbox * s.boxrows * kClusterTile * esize + s.onbox * s.oboxrows * kClusterTile * esize +
            (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8;
   return s;
 }
 
-void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
-  TORCH_CHECK(pp.dtype == ScalarType::Float && pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
-  const ClusterShape s = cluster_shape(pp.H, pp.ncta);
+namespace {
+
+ClusterParams cluster_params(const PropagateParams& pp, const ClusterShape& s) {
   ClusterParams p{};
-  p.C = pp.C, p.K = pp.K, p.H = pp.H, p.W = pp.W;
+  p.B = pp.B, p.C = pp.C, p.K = pp.K, p.H = pp.H, p.W = pp.W, p.G = pp.G;
   p.R = s.R, p.NT = s.NT, p.boxrows = s.boxrows, p.nbox = s.nbox, p.oboxrows = s.oboxrows, p.onbox = s.onbox;
   p.ce = pp.chunk > 0 && pp.chunk < pp.W ? pp.chunk : pp.W;
-  make_map(&p.tm_x, pp.x, pp.W, pp.H, int64_t(pp.B) * pp.C, s.boxrows);
-  make_map(&p.tm_lam, pp.lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
-  make_map(&p.tm_g, pp.gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.boxrows);
-  make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows);
+  make_map(&p.tm_x, pp.x, pp.W, pp.H, int64_t(pp.B) * pp.C, s.boxrows, pp.dtype);
+  make_map(&p.tm_lam, pp.lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows, pp.dtype);
+  make_map(&p.tm_g, pp.gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.boxrows, pp.dtype);
+  return p;
+}
+
+void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t stream, bool backward) {
   switch (pp.ncta) {
-    case 2: launch_cluster<2>(p, pp, stream); break;
-    case 4: launch_cluster<4>(p, pp, stream); break;
-    case 8: launch_cluster<8>(p, pp, stream); break;
-    default: TORCH_CHECK(false, "gspn2: cluster of ", pp.ncta, " CTAs not built");
+    case 2: launch_cluster<2>(p, pp, stream, backward); break;
+    case 4: launch_cluster<4>(p, pp, stream, backward); break;
+    case 8: launch_cluster<8>(p, pp, stream, backward); break;
+    default: throw std::runtime_error(message("gspn2: cluster of ", pp.ncta, " CTAs not built"));
   }
+}
+
+}  // namespace
+
+void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
+  TORCH_CHECK(pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta, false, element_size(pp.dtype));
+  bind_context();
+  ClusterParams p = cluster_params(pp, s);
+  make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows, pp.dtype);
+  launch_ncta(p, pp, stream, false);
+}
+
+void launch_backward_cluster(const PropagateParams& pp, cudaStream_t stream) {
+  TORCH_CHECK(pp.dtype == ScalarType::Float && pp.ncta > 0 && pp.cs == 1,
+              "gspn2: cluster backward planned for an unsupported case");
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, 4);
+  bind_context();
+  ClusterParams p = cluster_params(pp, s);
+  p.part = pp.nsl > 1;
+  make_map(&p.tm_gh, pp.grad_h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
+  make_map(&p.tm_h, pp.h_saved, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
+  make_map(&p.tm_glam, pp.grad_lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.R);
+  make_map(&p.tm_gx, pp.grad_x_part, pp.W, pp.H, int64_t(4) * pp.B * pp.C, s.R);
+  if (p.part) {
+    make_map(&p.tm_gg, pp.grad_gates_part, pp.W, pp.H, int64_t(pp.nsl) * pp.B * 12 * pp.K, s.R);
+  } else {
+    make_map(&p.tm_gg, pp.grad_gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.R);
+  }
+  launch_ncta(p, pp, stream, true);
 }
 
 }  // namespace gspn2

@@ -709,6 +709,7 @@ __global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_con
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int D = NT > kFastSmallThreads ? 3 : 4;
   const BlockIndex bi = block_index(p);
+  if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
   float* const ex = reinterpret_cast<float*>(smem);
   for (int i = threadIdx.x; i < 2 * 4 * CS * p.pp; i += blockDim.x) ex[i] = 0.f;

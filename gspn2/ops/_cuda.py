@@ -25,7 +25,7 @@ import torch
 from gspn2.ops._checks import check_propagate_inputs
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
-__all__ = ["BACKEND_ENV", "KERNEL_ENV", "FAST_MAX_LINE", "CLUSTER_TILE", "CLUSTER_AUTO_MIN_LINE", "backend", "kernel_family", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
+__all__ = ["BACKEND_ENV", "KERNEL_ENV", "FAST_MAX_LINE", "CLUSTER_TILE", "CLUSTER_AUTO_MIN_LINE", "CLUSTER_AUTO_MIN_ELEMS_BWD", "backend", "kernel_family", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
 
 log = logging.getLogger("gspn2.ops")
 
@@ -33,17 +33,20 @@ log = logging.getLogger("gspn2.ops")
 BACKEND_ENV = "GSPN2_BACKEND"
 _BACKENDS = ("auto", "cuda", "reference")
 #: Environment variable that selects the kernel family: ``auto`` (streaming kernels for lines of up to
-#: FAST_MAX_LINE pixels, with the float32 forward's horizontal directions in the cluster kernel on sm_90
-#: for H >= CLUSTER_AUTO_MIN_LINE; general kernels beyond), ``fast`` (streaming only), ``general``, or
-#: ``cluster`` (the streaming plan with the cluster kernel on every shape it takes; an error elsewhere).
+#: FAST_MAX_LINE pixels, with the float32 horizontal directions in the cluster kernels on sm_90 (forward:
+#: H >= CLUSTER_AUTO_MIN_LINE; backward: B * C * H * W >= CLUSTER_AUTO_MIN_ELEMS_BWD); general kernels beyond), ``fast`` (streaming only), ``general``, or
+#: ``cluster`` (the streaming plan with the cluster kernels on every pass they take: the forward in every
+#: dtype, the backward in float32; an error where W is not a multiple of CLUSTER_TILE).
 KERNEL_ENV = "GSPN2_KERNEL"
 _KERNELS = ("auto", "fast", "general", "cluster")
 #: Longest line (max(H, W)) the streaming kernels take (gspn2/csrc/propagate.h, kFastMaxLine).
 FAST_MAX_LINE = 1024
 #: The cluster kernel's tile (scan steps): W must be a multiple of it (kClusterTile).
 CLUSTER_TILE = 16
-#: GSPN2_KERNEL=auto uses the cluster kernel for H >= this (kClusterAutoMinLine).
+#: GSPN2_KERNEL=auto uses the cluster kernel in the forward for H >= this (kClusterAutoMinLine) ...
 CLUSTER_AUTO_MIN_LINE = 768
+#: ... and in the backward for B * C * H * W >= this (kClusterAutoMinElemsBwd).
+CLUSTER_AUTO_MIN_ELEMS_BWD = 1 << 20
 
 BUILD_HINT = (
     "gspn2's CUDA extension (gspn2._C) is not built, so gspn_propagate cannot run its kernel on a CUDA "
@@ -89,7 +92,7 @@ def kernel_family() -> str:
     return value
 
 
-def _check_kernel_env(H: int, W: int, dtype: torch.dtype, backward: bool = False) -> None:
+def _check_kernel_env(H: int, W: int) -> None:
     # Validated here, before the extension sees it (its own check is a second line of defence).
     family = kernel_family()
     if family in ("fast", "cluster") and max(H, W) > FAST_MAX_LINE:
@@ -97,10 +100,10 @@ def _check_kernel_env(H: int, W: int, dtype: torch.dtype, backward: bool = False
             f"{KERNEL_ENV}={family}: the streaming kernels take lines of up to {FAST_MAX_LINE} pixels, "
             f"got H={H}, W={W}; use {KERNEL_ENV}=auto"
         )
-    if family == "cluster" and not backward and (dtype != torch.float32 or W % CLUSTER_TILE != 0):
+    if family == "cluster" and W % CLUSTER_TILE != 0:
         raise ValueError(
-            f"{KERNEL_ENV}=cluster: the cluster kernel takes float32 inputs with W a multiple of {CLUSTER_TILE}, "
-            f"got {dtype} with W={W}; use {KERNEL_ENV}=auto"
+            f"{KERNEL_ENV}=cluster: the cluster kernels take W a multiple of {CLUSTER_TILE}, got W={W}; "
+            f"use {KERNEL_ENV}=auto"
         )
 
 
@@ -154,7 +157,7 @@ def forward(x, lam, gates, chunk=None):
     checks them again in C++.
     """
     check_propagate_inputs(x, lam, gates, chunk)
-    _check_kernel_env(x.shape[2], x.shape[3], x.dtype)
+    _check_kernel_env(x.shape[2], x.shape[3])
     return _checked(_C.forward(x, lam, gates, chunk))
 
 
@@ -162,7 +165,7 @@ def backward(grad_h, x, lam, gates, h, chunk=None):
     """The CUDA backward: ``(grad_x, grad_lam, grad_gates)``."""
     check_propagate_inputs(x, lam, gates, chunk)
     _check_backward_extra(grad_h, x, h)
-    _check_kernel_env(x.shape[2], x.shape[3], x.dtype, backward=True)
+    _check_kernel_env(x.shape[2], x.shape[3])
     return tuple(_checked(_C.backward(grad_h, x, lam, gates, h, chunk)))
 
 
@@ -174,7 +177,7 @@ def plan(B, C, H, W, K, dtype="float32", backward=False):
     """
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"`dtype` must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
-    _check_kernel_env(H, W, getattr(torch, dtype), backward)
+    _check_kernel_env(H, W)
     return _checked(_C.plan(B, C, H, W, K, dtype, backward))
 
 

@@ -53,12 +53,12 @@ def test_kernel_choice(monkeypatch):
 @pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
 @pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
 def test_cluster_kernel_choice(monkeypatch):
-    """The float32 forward's horizontal directions go to the cluster kernel for H >= 768 (planned as on an
-    H200 here): the fewest CTAs per line, doubled while SMs would idle; never for the backward, 16-bit
-    inputs, W not a multiple of its tile, or shorter lines under auto. GSPN2_KERNEL=cluster forces it and
-    names what it needs."""
+    """Under auto (planned as on an H200 here) the float32 horizontal directions go to the cluster kernel:
+    the forward for H >= 768, the backward for B * C * H * W >= 2^20; the fewest CTAs per line, doubled
+    while SMs would idle; never for 16-bit inputs, W not a multiple of its tile, or smaller problems.
+    GSPN2_KERNEL=cluster forces it and names what it needs."""
     monkeypatch.delenv("GSPN2_KERNEL", raising=False)
-    assert _cuda.CLUSTER_AUTO_MIN_LINE == 768
+    assert _cuda.CLUSTER_AUTO_MIN_LINE == 768 and _cuda.CLUSTER_AUTO_MIN_ELEMS_BWD == 1 << 20
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 2  # 128 CTAs on 132 SMs
     assert _cuda.plan(4, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 8  # 16 lines: doubled twice
     assert _cuda.plan(16, 2, 768, 768, 2, "float32")["cluster_ctas"] == 2
@@ -66,17 +66,24 @@ def test_cluster_kernel_choice(monkeypatch):
     assert big["cluster_ctas"] == 8 and 0 < big["cluster_smem_bytes"] <= 227 * 1024
     for args in [(16, 2, 1024, 1024, 2, "bfloat16"), (16, 2, 1024, 1000, 2, "float32"), (16, 2, 512, 512, 2, "float32")]:
         assert _cuda.plan(*args)["cluster_ctas"] == 0, args
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)["cluster_ctas"] == 0
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)["cluster_ctas"] == 8  # <= 128 rows per CTA
+    # The backward by problem size: 64 x 2 x 128^2 = 2^21 elements yes, 16 x 2 x 128^2 and 1 x 8 x 256^2 no.
+    assert _cuda.plan(64, 2, 128, 128, 2, "float32", backward=True)["cluster_ctas"] == 2
+    assert _cuda.plan(32, 49, 32, 32, 49, "float32", backward=True)["cluster_ctas"] == 2
+    for args in [(16, 2, 128, 128, 2), (1, 8, 256, 256, 1), (64, 2, 128, 128, 2)]:
+        assert _cuda.plan(*args, "float32")["cluster_ctas"] == 0, args  # the forward: H < 768
+    for args in [(16, 2, 128, 128, 2, "float32"), (1, 8, 256, 256, 1, "float32"), (64, 2, 128, 128, 2, "bfloat16")]:
+        assert _cuda.plan(*args, backward=True)["cluster_ctas"] == 0, args
     monkeypatch.setenv("GSPN2_KERNEL", "fast")
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 0
     monkeypatch.setenv("GSPN2_KERNEL", "cluster")
     assert _cuda.plan(2, 2, 40, 16, 1, "float32")["cluster_ctas"] > 0  # any height
     assert _cuda.plan(8, 2, 512, 512, 2, "float32")["cluster_ctas"] == 4  # 32 lines x 2 CTAs < 0.9 x 132 SMs
     assert _cuda.plan(1, 8, 256, 256, 8, "float32")["cluster_ctas"] == 8
-    assert _cuda.plan(2, 2, 40, 16, 1, "bfloat16", backward=True)["cluster_ctas"] == 0  # backward: streaming
-    with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*float32.*multiple of 16"):
-        _cuda.plan(2, 2, 40, 16, 1, "bfloat16")
-    with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*float32.*multiple of 16"):
+    assert _cuda.plan(8, 2, 512, 512, 2, "float32", backward=True)["cluster_ctas"] == 4
+    assert _cuda.plan(2, 2, 40, 16, 1, "bfloat16")["cluster_ctas"] > 0  # forced: the forward in 16-bit too
+    assert _cuda.plan(2, 2, 40, 16, 1, "bfloat16", backward=True)["cluster_ctas"] == 0  # backward: float32 only
+    with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*multiple of 16"):
         _cuda.plan(2, 2, 40, 24, 1, "float32")
     with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*1024"):
         _cuda.plan(1, 2, 1100, 32, 1, "float32")

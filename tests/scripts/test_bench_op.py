@@ -28,14 +28,16 @@ def test_kernel_name_and_table_show_the_cluster_kernel(bench):
     assert bench.kernel_name({"kernel": "general", "cs": 2}) == "general (2)"
     rec = dict(label="GSPN-1 anchor", B=16, C=2, H=1024, W=1024, K=2, dtype="fp32", fwd_ms=1.5, bwd_ms=12.3,
                fwd_floor_ms=0.758, bwd_floor_ms=1.42, fwd_pct_floor=50.5, bwd_pct_floor=11.5, general_fwd_ms=3.71,
-               general_bwd_ms=20.7, stream_fwd_ms=2.01, plan_fwd={"kernel": "fast", "cs": 1, "cluster_ctas": 2})
+               general_bwd_ms=20.7, stream_fwd_ms=2.01, stream_bwd_ms=12.4, plan_fwd={"kernel": "fast", "cs": 1, "cluster_ctas": 2},
+               plan_bwd={"kernel": "fast", "cs": 1, "cluster_ctas": 8})
     md = bench.markdown([rec], 4.25e12, {"gpu": "H200", "torch": "2.11", "cuda": "13.0"})
     header, sep, row = md.splitlines()[2:5]
     assert header.count("|") == sep.count("|") == row.count("|")  # one cell per column
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells[0] == "GSPN-1 anchor: 16x2x1024x1024, K=2" and cells[9] == "2.01" and cells[-1].endswith("cluster x2")
+    assert cells[0] == "GSPN-1 anchor: 16x2x1024x1024, K=2" and cells[9] == "2.01 / 12.4"
+    assert cells[-1] == "fast (1) + cluster x2; fast (1) + cluster x8"
 
 
 def test_cluster_choice_shapes_fit_the_streaming_kernels(bench):
-    for B, C, H, K in bench.CLUSTER_CHOICE_SHAPES:
+    for B, C, H, K in bench.CLUSTER_CHOICE_SHAPES + bench.CLUSTER_CHOICE_SMALL:
         assert H <= 1024 and H % 16 == 0 and C % K == 0
