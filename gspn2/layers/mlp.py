@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
-from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, to_rows
+from gspn2.layers.norm import LayerNorm2d
+from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
 
 __all__ = ["PointwiseMlp"]
 
@@ -35,9 +38,16 @@ class PointwiseMlp(nn.Module):
         self.fc2 = Conv1x1(hidden_features, in_features, fast_path=fast_path)
         self.fast_path = fast_path
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
+    def forward(self, x: torch.Tensor, norm: Optional[LayerNorm2d] = None) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``; with ``norm``, the MLP of ``norm(x)`` (in training on the fast
+        path the norm and ``fc1`` are one :func:`~gspn2.layers.norm_linear`, and ``norm``'s forward hooks
+        do not run)."""
         if self.fast_path and torch.is_grad_enabled():
             B, _, H, W = x.shape
-            return from_rows(gelu_linear(to_rows(h), self.fc2.weight.flatten(1), self.fc2.bias), B, H, W)
-        return self.fc2(self.act(h))
+            if norm is not None and norm.fast_path:
+                w, b = self.fc1.weight.flatten(1), self.fc1.bias
+                (h,) = norm_linear(to_rows(x), norm.weight, norm.bias, norm.eps, w, b)
+            else:
+                h = to_rows(self.fc1(norm(x) if norm is not None else x))
+            return from_rows(gelu_linear(h, self.fc2.weight.flatten(1), self.fc2.bias), B, H, W)
+        return self.fc2(self.act(self.fc1(norm(x) if norm is not None else x)))

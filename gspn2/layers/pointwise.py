@@ -7,9 +7,10 @@ epilogue (cuDNN adds a convolution's bias in a separate kernel) and no layout co
 state dicts, initialisation and fvcore's MAC count (it counts ``aten::linear`` like the convolution:
 in x out per pixel) are those of the convolution it replaces.
 
-:func:`gelu_linear` and :func:`silu_gate_linear` are ``linear(gelu(h))`` and ``linear(n * silu(z))`` for
-training: they save their inputs only and recompute the cheap elementwise part in backward, instead of
-autograd keeping both the activation's input and output alive until backward.
+:func:`gelu_linear`, :func:`silu_gate_linear` and :func:`norm_linear` are ``linear(gelu(h))``,
+``linear(n * silu(z))`` and ``linear(layer_norm(x) [* silu(z)])`` for training: they save their inputs
+only and recompute the cheap elementwise part in backward, instead of autograd keeping both the
+activation's input and output alive until backward.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gspn2.layers._amp import autocast_off
+from gspn2.layers._amp import autocast_enabled, autocast_off
 
-__all__ = ["Conv1x1", "from_rows", "gelu_linear", "silu_gate_linear", "to_rows"]
+__all__ = ["Conv1x1", "from_rows", "gelu_linear", "norm_linear", "silu_gate_linear", "to_rows"]
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -162,3 +163,94 @@ def silu_gate_linear(
     """
     dt = n.dtype
     return _SiluGateLinear.apply(n, z.to(dt), weight.to(dt), _cast(bias, dt))
+
+
+class _NormLinear(torch.autograd.Function):
+    """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias)`` in ``chunks`` outputs, saving ``x``, its
+    statistics and ``gate``; the normalised ``x`` is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks):
+        with autocast_off(x.device.type):
+            n, mean, rstd = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
+            m = n.to(weight.dtype)
+            if gate is not None:
+                m = m * F.silu(gate)
+            biases = bias.chunk(chunks) if bias is not None else (None,) * chunks
+            outs = tuple(F.linear(m, w, b) for w, b in zip(weight.chunk(chunks), biases))
+        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, weight)
+        ctx.eps, ctx.chunks, ctx.has_bias = eps, chunks, bias is not None
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        x, gate, norm_weight, norm_bias, mean, rstd, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x = grad_gate = grad_nw = grad_nb = grad_w = grad_b = None
+        weights = weight.chunk(ctx.chunks)
+        grads = [torch.zeros(g_shape, dtype=weight.dtype, device=weight.device) if g is None else g
+                 for g, g_shape in zip(grad_outs, [(x.shape[0], w.shape[0]) for w in weights])]
+        with autocast_off(x.device.type):
+            # The same kernel on the same input as in forward: bitwise the forward's normalised x.
+            n = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, ctx.eps)[0]
+            m0 = n.to(weight.dtype)
+            s = F.silu(gate) if gate is not None else None
+            if need[4]:
+                m = m0 * s if s is not None else m0
+                grad_w = torch.cat([g.t() @ m for g in grads])
+            if ctx.has_bias and need[5]:
+                grad_b = torch.cat([g.sum(0) for g in grads])
+            if need[0] or need[1] or need[2] or need[3]:
+                # The chunks' input gradients are summed in x's dtype, as autograd sums the gradients of
+                # the per-GEMM casts of the unfused path.
+                grad_n = None
+                for g, w in zip(grads, weights):
+                    grad_m = g @ w
+                    if s is not None:
+                        if need[1]:
+                            grad_gate = torch.ops.aten.silu_backward(grad_m * m0, gate)
+                        grad_m = grad_m * s
+                    grad_n = grad_m.to(x.dtype) if grad_n is None else grad_n + grad_m.to(x.dtype)
+                if need[0] or need[2] or need[3]:
+                    grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
+                        grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
+                    )
+        return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None
+
+
+def norm_linear(
+    x: torch.Tensor,
+    norm_weight: Optional[torch.Tensor],
+    norm_bias: Optional[torch.Tensor],
+    eps: float,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    chunks: int = 1,
+    gate: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, ...]:
+    """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1)``, keeping only ``x``
+    (with the norm's per-row statistics) and ``gate`` for backward.
+
+    A LayerNorm followed by a GEMM saves both the norm's input and its output (the GEMM's input); this
+    saves the input only and recomputes the normalisation in backward. The norm runs in ``x.dtype`` (as
+    :func:`~gspn2.layers.layer_norm_last_dim`), the gate and the GEMMs in the autocast dtype when
+    autocast is on (as ``F.linear`` would), else in ``x.dtype``; each chunk is its own GEMM, so every
+    output is contiguous (as :class:`Conv1x1` with ``out_chunks``).
+
+    Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
+    None, ``gate (N, C)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or weight.shape[0] % chunks != 0:
+        raise ValueError(f"`chunks` must be a positive int dividing {weight.shape[0]} outputs, got {chunks!r}")
+    device_type = x.device.type
+    dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
+    return _NormLinear.apply(
+        x,
+        _cast(gate, dt),
+        _cast(norm_weight, x.dtype),
+        _cast(norm_bias, x.dtype),
+        weight.to(dt),
+        _cast(bias, dt),
+        eps,
+        chunks,
+    )

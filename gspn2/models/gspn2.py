@@ -43,7 +43,7 @@ from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, trunc_nor
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
 from timm.models._features import feature_take_indices
 
-from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, silu_gate_linear, to_rows
+from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, norm_linear, to_rows
 from gspn2.ops import gspn_propagate
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
@@ -146,21 +146,27 @@ class GSPN2Mixer(nn.Module):
         self.norm = LayerNorm2d(hidden, fast_path=fast_path)
         self.out_proj = Conv1x1(hidden, dim, fast_path=fast_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``.
+    def forward(self, x: torch.Tensor, norm: Optional[LayerNorm2d] = None) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``; with ``norm``, the mixer of ``norm(x)``.
 
         The fast path computes the reference's function with fewer kernels, casts and saved tensors:
         1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of
         its own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul``, the
-        LayerNorm stays in the activation dtype, and in training the output gate ``norm(y) * silu(z)``
-        and ``out_proj`` are one :func:`~gspn2.layers.silu_gate_linear` that keeps only its two inputs
-        for backward.
+        LayerNorm stays in the activation dtype. In training the input norm and ``in_proj``, and the
+        output gate ``norm(y) * silu(z)`` and ``out_proj``, are each one :func:`~gspn2.layers.norm_linear`
+        that keeps only the norm's input (and the gate) for backward; ``norm``'s forward hooks then do not
+        run.
         """
         if not self.fast_path:
-            return self._forward_reference(x)
+            return self._forward_reference(norm(x) if norm is not None else x)
         B, _, H, W = x.shape
         P, K = self.proxy_dim, self.affinity_groups
-        v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
+        training = torch.is_grad_enabled()
+        if norm is not None and training and norm.fast_path:
+            w, b = self.in_proj.weight.flatten(1), self.in_proj.bias
+            v, z = (from_rows(t, B, H, W) for t in norm_linear(to_rows(x), norm.weight, norm.bias, norm.eps, w, b, 2))
+        else:
+            v, z = self.in_proj(norm(x) if norm is not None else x)  # (B, E, H, W) each, channels_last memory
         v = self.act(self.conv_dw(v))
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
         # The op scans contiguous NCHW lines: copy the proxy-sized slices (P + 4P + 12K channels) once.
@@ -172,11 +178,12 @@ class GSPN2Mixer(nn.Module):
         # are contiguous.
         y = (u.unflatten(1, (NUM_DIRECTIONS, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
         y = torch.addcmul(self.proj_up(y), v, self.skip.view(1, -1, 1, 1).to(v.dtype))
-        n = self.norm(y)  # the scan's scale grows with the image: normalise before gating
-        if torch.is_grad_enabled():
+        # The scan's scale grows with the image: normalise before gating.
+        if training:
             w, b = self.out_proj.weight.flatten(1), self.out_proj.bias
-            return from_rows(silu_gate_linear(to_rows(n), to_rows(z), w, b), B, H, W)
-        return self.out_proj(n * self.act(z))
+            (out,) = norm_linear(to_rows(y), self.norm.weight, self.norm.bias, self.norm.eps, w, b, gate=to_rows(z))
+            return from_rows(out, B, H, W)
+        return self.out_proj(self.norm(y) * self.act(z))
 
     def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The mixer written op by op, as first implemented: the spec the fast path is tested against."""
@@ -252,9 +259,9 @@ class GSPN2Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``."""
         x = self.lpu1(x)
-        x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x))))
+        x = x + self.drop_path1(self.ls1(self.mixer(x, norm=self.norm1)))  # mixer(norm1(x)), norm fused
         x = self.lpu2(x)
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        x = x + self.drop_path2(self.ls2(self.mlp(x, norm=self.norm2)))  # mlp(norm2(x))
         return x
 
 

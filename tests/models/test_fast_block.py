@@ -22,7 +22,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
-from gspn2.layers import Conv1x1, gelu_linear, silu_gate_linear
+from gspn2.layers import Conv1x1, gelu_linear, norm_linear, silu_gate_linear
 from gspn2.models import GSPN2Block
 
 Grads = Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]
@@ -190,17 +190,22 @@ def _saved_bytes_per_pixel(block: torch.nn.Module, bf16: bool) -> float:
 def test_saved_activations_per_block():
     """Elements saved per pixel, C channels, E = 1.5 C, MLP hidden 4C, P proxy channels, K groups:
 
-    fast:      6 C + 4 C + 6 E + (22 P + 24 K) + 3 x 2 fp32 LayerNorm statistics
+    fast:      4 C + 4 C + 5 E + (22 P + 24 K) + 3 x 2 fp32 LayerNorm statistics
     reference: 6 C + 8 C + 8 E + (26 P + 24 K) + 3 x 2
+
+    The fast path keeps, per block: the inputs of the two LPU convolutions and of the two block norms
+    (4 C; the norms' outputs are recomputed, norm_linear), the MLP's pre-activation (4 C), and in the
+    mixer v before and after its depthwise convolution, the SiLU's output, y and z (5 E; the mixer
+    norm's output is recomputed too).
     """
     C, E, P, K = 16, 24, 2, 1
     fast, ref = _pair(lambda: GSPN2Block(C))
     fast.train(), ref.train()
-    assert _saved_bytes_per_pixel(fast, bf16=False) == 4 * (10 * C + 6 * E + 22 * P + 24 * K + 6)
+    assert _saved_bytes_per_pixel(fast, bf16=False) == 4 * (8 * C + 5 * E + 22 * P + 24 * K + 6)
     assert _saved_bytes_per_pixel(ref, bf16=False) == 4 * (14 * C + 8 * E + 26 * P + 24 * K + 6)
     # bf16 autocast: every activation in bf16 (2 bytes). CPU's layer_norm keeps its statistics in the
     # input dtype too; CUDA's keeps them in fp32 (12 bytes per pixel more).
-    assert _saved_bytes_per_pixel(fast, bf16=True) == 2 * (10 * C + 6 * E + 22 * P + 24 * K + 6)
+    assert _saved_bytes_per_pixel(fast, bf16=True) == 2 * (8 * C + 5 * E + 22 * P + 24 * K + 6)
 
 
 # ---- the recomputing autograd functions ----
@@ -220,6 +225,42 @@ def test_gelu_linear_and_silu_gate_linear_gradcheck():
     out = silu_gate_linear(n.detach(), z, w.detach(), b.detach())
     (grad_z,) = torch.autograd.grad(out.sum(), z)
     assert grad_z.shape == z.shape
+
+
+def test_norm_linear_gradcheck_and_values():
+    """norm_linear = linear(layer_norm(x) [* silu(gate)]) in chunks: float64 gradients of every input
+    (with and without gate and bias, one and two chunks), and, under bf16 autocast, bitwise the outputs
+    and gradients of the unfused modules (norm in x's dtype, GEMMs in bf16)."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    x, gate, nw, nb, w, b = r(5, 6), r(5, 6), r(6), r(6), r(4, 6), r(4)
+    for args in [(x, nw, nb, 1e-6, w, b, 2), (x, nw, nb, 1e-6, w, None, 1), (x, None, None, 1e-6, w, b, 1)]:
+        assert torch.autograd.gradcheck(lambda *a: norm_linear(*a), args)
+    assert torch.autograd.gradcheck(lambda x, q, nw, nb, w, b: norm_linear(x, nw, nb, 1e-6, w, b, 1, gate=q),
+                                    (x, gate, nw, nb, w, b))
+    expected = F.linear(F.layer_norm(x, (6,), nw, nb, 1e-6) * F.silu(gate), w, b)
+    torch.testing.assert_close(norm_linear(x, nw, nb, 1e-6, w, b, gate=gate)[0], expected)
+    with pytest.raises(ValueError, match="`chunks`"):
+        norm_linear(x, nw, nb, 1e-6, w, b, 3)
+
+    # bf16 autocast: bitwise the unfused path, forward and gradients (same kernels, same summation).
+    xs = torch.randn(64, 16, generator=g).requires_grad_()
+    ws = torch.randn(32, 16, generator=g).requires_grad_()
+    bs, nws, nbs = (torch.randn(n, generator=g).requires_grad_() for n in (32, 16, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = norm_linear(xs, nws, nbs, 1e-6, ws, bs, 2)
+        n = F.layer_norm(xs, (16,), nws, nbs, 1e-6)
+        refs = tuple(F.linear(n, wc, bc) for wc, bc in zip(ws.chunk(2), bs.chunk(2)))
+    for o, ref in zip(outs, refs):
+        assert o.dtype == ref.dtype == torch.bfloat16 and torch.equal(o, ref)
+    grads = torch.autograd.grad(sum(o.float().square().sum() for o in outs), (xs, ws, bs, nws, nbs))
+    ref_grads = torch.autograd.grad(sum(o.float().square().sum() for o in refs), (xs, ws, bs, nws, nbs))
+    for got, want in zip(grads, ref_grads):
+        assert torch.equal(got, want)
 
 
 def test_compile_fullgraph_traces_the_block():
