@@ -96,16 +96,6 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 __device__ __forceinline__ float4* piece(float4* base, int r, int v) { return base + r * 4 + (v ^ ((r >> 1) & 3)); }
 __device__ __forceinline__ float el(const float4& f, int e) { return reinterpret_cast<const float*>(&f)[e]; }
 
-// Gradients of the gate logits through the normalisation (the streaming kernels' gate_grads).
-__device__ __forceinline__ void gate_grads(const dev::Gates& gt, float gw0, float gw1, float gw2, int q, int L,
-                                           float& gg0, float& gg1, float& gg2) {
-  const float dot = (gw0 * gt.a0 + gw1 * gt.s1) + gw2 * gt.a2;
-  const float corr = gt.total >= kNormEps ? dot * gt.inv * gt.inv : 0.f;
-  gg0 = q > 0 ? (gw0 * gt.inv - corr) * (gt.s0 * (1.f - gt.s0)) : 0.f;
-  gg1 = (gw1 * gt.inv - corr) * (gt.s1 * (1.f - gt.s1));
-  gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * (gt.s2 * (1.f - gt.s2)) : 0.f;
-}
-
 // A stage row holds one row's T steps of one plane: 64 bytes (fp32, TMA's 64-byte swizzle: 16-byte
 // piece ^= (row >> 1) & 3) or 32 bytes (16-bit, 32-byte swizzle: piece ^= (row >> 2) & 1).
 template <typename scalar_t>
@@ -467,7 +457,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
             const dev::Gates gt = dev::normalise(el(g0, e), el(g1, e), el(g2, e), q, p.H);
             const float gw0 = fmaf(adj, hs[0][t], 0.f), gw1 = fmaf(adj, hs[1][t], 0.f);
             const float gw2 = fmaf(adj, hs[2][t], 0.f);
-            gate_grads(gt, gw0, gw1, gw2, q, p.H, o[2][e], o[3][e], o[4][e]);
+            dev::gate_grads(gt, gw0, gw1, gw2, q, p.H, o[2][e], o[3][e], o[4][e]);
           }
         }
 #pragma unroll

@@ -94,6 +94,17 @@ __device__ __forceinline__ Gates normalise(float g0, float g1, float g2, int q, 
   return r;
 }
 
+// Gate-logit gradients of one pixel from grad_w (through w_k = a_k / max(total, eps), a_k = mask_k *
+// sigmoid(g_k)); the streaming and the cluster backward both use it.
+__device__ __forceinline__ void gate_grads(const Gates& gt, float gw0, float gw1, float gw2, int q, int L,
+                                           float& gg0, float& gg1, float& gg2) {
+  const float dot = (gw0 * gt.a0 + gw1 * gt.s1) + gw2 * gt.a2;
+  const float corr = gt.total >= kNormEps ? dot * gt.inv * gt.inv : 0.f;
+  gg0 = q > 0 ? (gw0 * gt.inv - corr) * (gt.s0 * (1.f - gt.s0)) : 0.f;
+  gg1 = (gw1 * gt.inv - corr) * (gt.s1 * (1.f - gt.s1));
+  gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * (gt.s2 * (1.f - gt.s2)) : 0.f;
+}
+
 struct BlockIndex {
   int d, b, grp, sl;
 };

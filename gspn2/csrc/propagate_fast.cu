@@ -391,17 +391,6 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
 // ex[parity][kind][c][pp], kinds 0..2 = C_o = w_o * adj of offsets -1, 0, +1; kind 3 = h_{s-1}.
 // ------------------------------------------------------------------------------------------------
 
-// Gate-logit gradients of one pixel from grad_w (through w_k = a_k / max(total, eps), a_k = mask_k *
-// sigmoid(g_k)).
-__device__ __forceinline__ void gate_grads(const Gates& gt, float gw0, float gw1, float gw2, int q, int L,
-                                           float& gg0, float& gg1, float& gg2) {
-  const float dot = (gw0 * gt.a0 + gw1 * gt.s1) + gw2 * gt.a2;
-  const float corr = gt.total >= kNormEps ? dot * gt.inv * gt.inv : 0.f;
-  gg0 = q > 0 ? (gw0 * gt.inv - corr) * (gt.s0 * (1.f - gt.s0)) : 0.f;
-  gg1 = (gw1 * gt.inv - corr) * (gt.s1 * (1.f - gt.s1));
-  gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * (gt.s2 * (1.f - gt.s2)) : 0.f;
-}
-
 // One reverse-scan step of one pixel: reads x, lam, grad_h of the CS channels and h_{s-1} from the
 // exchange line, writes C_o and (given) h_{s-2} for the next step; returns grad_lam, the grad_x term
 // and the gate-logit gradients.
