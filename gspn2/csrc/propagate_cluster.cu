@@ -134,6 +134,33 @@ struct RowIO {
     *reinterpret_cast<uint4*>(plane + offset(r, pc)) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
+
+// The line a CTA of cluster `rank` works on (direction d in {0, 1}, batch b, channel c, gate group grp;
+// clusters in (b, c, d) order, d fastest) and its thread's image row q (own rows are threads
+// [HALO, HALO + R); the others are halo rows, or outside the image).
+struct LineCoords {
+  int d, b, c, grp, q;
+  bool inimg, own;
+};
+template <int NCTA>
+__device__ __forceinline__ LineCoords line_coords(const ClusterParams& p, int rank) {
+  const int cid = blockIdx.x / NCTA;
+  const int i = threadIdx.x;
+  LineCoords r;
+  r.d = cid & 1;
+  r.c = (cid >> 1) % p.C;
+  r.b = (cid >> 1) / p.C;
+  r.grp = r.c / p.G;
+  r.q = rank * p.R - HALO + i;
+  r.inimg = r.q >= 0 && r.q < p.H;
+  r.own = i >= HALO && i < HALO + p.R && r.q < p.H;
+  return r;
+}
+
+// Dynamic shared memory rounded up to 1024 bytes (TMA boxes with a swizzle need that alignment).
+__device__ __forceinline__ unsigned char* smem_base(unsigned char* smem_raw) {
+  return smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+}
 #endif
 
 template <typename scalar_t, int NCTA>
@@ -144,20 +171,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
-  const int cid = blockIdx.x / NCTA;  // (b, c, d), d fastest
-  const int d = cid & 1;
-  const int c = (cid >> 1) % p.C;
-  const int b = (cid >> 1) / p.C;
-  const int grp = c / (p.C / p.K);
+  const auto [d, b, c, grp, q, inimg, own] = line_coords<NCTA>(p, rank);
   const int nt = p.NT, i = threadIdx.x;
-  const int row0 = rank * p.R - HALO;
-  const int q = row0 + i;
-  const bool inimg = q >= 0 && q < p.H;
-  const bool own = i >= HALO && i < HALO + p.R && q < p.H;
+  const int row0 = rank * p.R - HALO;  // thread i <-> image row row0 + i
 
-  // Layout (the TMA boxes need 1024-byte alignment for the swizzle): stage [NPLANE][srows] rows of
-  // RB bytes, output stage [orows] rows, then the exchange lines, the inboxes and the mbarrier.
-  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  // Layout: stage [NPLANE][srows] rows of RB bytes, output stage [orows] rows, then the exchange lines,
+  // the inboxes and the mbarrier.
+  unsigned char* base = smem_base(smem_raw);
   const int srows = p.nbox * p.boxrows, orows = p.onbox * p.oboxrows;
   unsigned char* const stage = base;
   unsigned char* const ostage = stage + size_t(NPLANE) * srows * RB;
@@ -294,18 +314,11 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
-  const int cid = blockIdx.x / NCTA;
-  const int d = cid & 1;
-  const int c = (cid >> 1) % p.C;
-  const int b = (cid >> 1) / p.C;
-  const int grp = c / p.G;
+  const auto [d, b, c, grp, q, inimg, own] = line_coords<NCTA>(p, rank);
   const int nt = p.NT, i = threadIdx.x;
-  const int row0 = rank * p.R - HALO;
-  const int q = row0 + i;
-  const bool inimg = q >= 0 && q < p.H;
-  const bool own = i >= HALO && i < HALO + p.R && q < p.H;
+  const int row0 = rank * p.R - HALO;  // thread i <-> image row row0 + i
 
-  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* base = smem_base(smem_raw);
   const int srows = p.boxrows;
   float4* const stage0 = reinterpret_cast<float4*>(base);                          // [2][NIN_B][srows][4]
   float4* const ostage = stage0 + size_t(2) * NIN_B * srows * 4;                    // [NOUT_B][R][4]
