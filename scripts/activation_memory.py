@@ -9,6 +9,7 @@ tensors), so a CPU run predicts the GPU's activation memory.
 
     python scripts/activation_memory.py --models gspn2_tiny swin_tiny_patch4_window7_224 convnext_tiny
     python scripts/activation_memory.py --models gspn2_tiny --compile --resolution 224 --batch 2
+    python scripts/activation_memory.py --compile --aot-config ban_recompute_materialized_backward=False
 """
 
 from __future__ import annotations
@@ -107,6 +108,27 @@ def measure(name: str, batch: int, resolution: int, dtype: torch.dtype, device: 
                 outside_blocks=counter.per_block.get("(outside blocks)", 0))
 
 
+def parse_aot_config(ap: argparse.ArgumentParser, items: list[str]) -> dict:
+    """``["key=value", ...]`` -> ``{key: value}`` for ``torch._functorch.config`` (values as Python literals);
+    unknown keys and malformed items are errors naming ``--aot-config``."""
+    import ast
+
+    import torch._functorch.config as aot_config
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--aot-config takes KEY=VALUE, got {item!r}")
+        if not hasattr(aot_config, key):
+            ap.error(f"--aot-config: torch._functorch.config has no {key!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            ap.error(f"--aot-config {key}: {value!r} is not a Python literal")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["gspn2_tiny", "swin_tiny_patch4_window7_224", "convnext_tiny"])
@@ -116,6 +138,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="autocast dtype (float32: no autocast)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (total only)")
+    ap.add_argument("--aot-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._functorch.config.KEY (AOTAutograd's partitioner: what to save or recompute) "
+                    "for the compiled runs, e.g. activation_memory_budget=0.8; repeatable")
     ap.add_argument("--blocks", action="store_true", help="print the bytes per block too")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -125,8 +150,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         ap.error(f"--models: unknown timm model(s) {unknown}")
     dtype = getattr(torch, args.dtype)
-    rows = [measure(m, args.batch, args.resolution, dtype, args.device, args.compile) for m in args.models]
+    aot = parse_aot_config(ap, args.aot_config)
+    with torch._functorch.config.patch(aot):
+        rows = [measure(m, args.batch, args.resolution, dtype, args.device, args.compile) for m in args.models]
     mode = "compiled" if args.compile else "eager"
+    if aot:
+        mode += " with " + ", ".join(f"{k}={v}" for k, v in aot.items())
     print(f"saved for backward, {mode}, batch {args.batch}, {args.resolution}^2, {args.dtype} autocast, {args.device}")
     print(f"{'model':32s} {'MB':>9s} {'MB / image':>11s} {'vs first':>9s}")
     for r in rows:

@@ -67,3 +67,14 @@ def test_bad_arguments_are_named(am):
         am.main(["--models", "no_such_model_xyz"])
     with pytest.raises(SystemExit):
         am.main(["--batch", "0"])
+    for bad in ("no_such_key=1", "ban_recompute_reductions", "activation_memory_budget=abc"):
+        with pytest.raises(SystemExit):
+            am.main(["--models", "gspn2_micro", "--aot-config", bad])
+
+
+def test_aot_config_is_parsed(am):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    got = am.parse_aot_config(ap, ["ban_recompute_materialized_backward=False", "activation_memory_budget=0.8"])
+    assert got == {"ban_recompute_materialized_backward": False, "activation_memory_budget": 0.8}
