@@ -1,4 +1,5 @@
-"""Timing helper shared by the benchmark scripts (scripts/bench_models.py, scripts/bench_fast_path.py)."""
+"""Helpers shared by the benchmark scripts: timing (scripts/bench_models.py, scripts/bench_fast_path.py) and
+the ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["median_ms"]
+__all__ = ["aot_config", "median_ms"]
 
 
 def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | None = None) -> float:
@@ -39,3 +40,27 @@ def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | No
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def aot_config(items: list[str]) -> dict:
+    """``["key=value", ...]`` -> ``{key: value}`` for ``torch._functorch.config.patch`` (the settings of
+    AOTAutograd's partitioner, which decides what a compiled model saves for backward and what it
+    recomputes). Values are Python literals. Raises ``ValueError`` naming the item for a malformed item,
+    an unknown key or a value that is not a literal.
+    """
+    import ast
+
+    import torch._functorch.config as config
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--aot-config takes KEY=VALUE, got {item!r}")
+        if not hasattr(config, key):
+            raise ValueError(f"--aot-config: torch._functorch.config has no {key!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--aot-config {key}: {value!r} is not a Python literal") from None
+    return out

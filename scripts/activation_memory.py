@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 import gspn2.models  # noqa: F401  (registers the GSPN-2 models with timm)
+from gspn2.benchmark import aot_config
 
 
 class SavedTensorCounter:
@@ -108,27 +109,6 @@ def measure(name: str, batch: int, resolution: int, dtype: torch.dtype, device: 
                 outside_blocks=counter.per_block.get("(outside blocks)", 0))
 
 
-def parse_aot_config(ap: argparse.ArgumentParser, items: list[str]) -> dict:
-    """``["key=value", ...]`` -> ``{key: value}`` for ``torch._functorch.config`` (values as Python literals);
-    unknown keys and malformed items are errors naming ``--aot-config``."""
-    import ast
-
-    import torch._functorch.config as aot_config
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            ap.error(f"--aot-config takes KEY=VALUE, got {item!r}")
-        if not hasattr(aot_config, key):
-            ap.error(f"--aot-config: torch._functorch.config has no {key!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            ap.error(f"--aot-config {key}: {value!r} is not a Python literal")
-    return out
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["gspn2_tiny", "swin_tiny_patch4_window7_224", "convnext_tiny"])
@@ -150,7 +130,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         ap.error(f"--models: unknown timm model(s) {unknown}")
     dtype = getattr(torch, args.dtype)
-    aot = parse_aot_config(ap, args.aot_config)
+    try:
+        aot = aot_config(args.aot_config)
+    except ValueError as exc:
+        ap.error(str(exc))
     with torch._functorch.config.patch(aot):
         rows = [measure(m, args.batch, args.resolution, dtype, args.device, args.compile) for m in args.models]
     mode = "compiled" if args.compile else "eager"

@@ -22,7 +22,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
-from gspn2.benchmark import median_ms
+from gspn2.benchmark import aot_config, median_ms
 
 DEFAULT_MODELS = [
     "gspn2_tiny",
@@ -152,7 +152,8 @@ def _gspn2_backend() -> str:
 def to_markdown(results: list[Result], env: dict) -> str:
     lines = [
         f"GPU {env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), timm {env['timm']}, "
-        f"bf16 autocast, channels_last. gspn2 backend: {env['gspn2_backend']}.",
+        f"bf16 autocast, channels_last. gspn2 backend: {env['gspn2_backend']}."
+        + (f" torch._functorch.config: {env['aot_config']}." if env.get("aot_config") else ""),
         "",
         "| model | params (M) | task | mode | res | batch | img/s | ms/iter | peak mem (GB) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -211,10 +212,17 @@ def main() -> None:
     parser.add_argument("--train-batch", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--aot-config", action="append", default=[], metavar="KEY=VALUE",
+                        help="torch._functorch.config.KEY for every compiled model of the run (what AOTAutograd "
+                        "saves or recomputes), e.g. ban_recompute_materialized_backward=False; repeatable")
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--md", default=None, help="write the markdown table here")
     parser.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
     args = parser.parse_args()
+    try:
+        aot = aot_config(args.aot_config)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         raise SystemExit("bench_models.py needs a CUDA GPU")
     unknown = [m for m in args.models if not timm.is_model(m)]
@@ -225,19 +233,21 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
     env = environment()
+    env["aot_config"] = aot
     results: list[Result] = []
-    for name in args.models:
-        for mode in args.modes:
-            for res in args.infer_resolutions:
-                r = run_one(bench_infer, name, mode, res, INFER_BATCH.get(res, 8), args.warmup, args.iters)
-                results.append(r)
-                print(f"{name:32s} infer {mode:7s} {res:5d}: "
-                      f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
-            for res in args.train_resolutions:
-                r = run_one(bench_train, name, mode, res, args.train_batch, args.warmup, args.iters)
-                results.append(r)
-                print(f"{name:32s} train {mode:7s} {res:5d}: "
-                      f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
+    with torch._functorch.config.patch(aot):  # every compilation of the run (they happen at first calls)
+        for name in args.models:
+            for mode in args.modes:
+                for res in args.infer_resolutions:
+                    r = run_one(bench_infer, name, mode, res, INFER_BATCH.get(res, 8), args.warmup, args.iters)
+                    results.append(r)
+                    print(f"{name:32s} infer {mode:7s} {res:5d}: "
+                          f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
+                for res in args.train_resolutions:
+                    r = run_one(bench_train, name, mode, res, args.train_batch, args.warmup, args.iters)
+                    results.append(r)
+                    print(f"{name:32s} train {mode:7s} {res:5d}: "
+                          f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
 
     table = to_markdown(results, env)
     lines = []
