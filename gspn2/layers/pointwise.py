@@ -207,8 +207,9 @@ class _NormLinear(torch.autograd.Function):
                 for g, w in zip(grads, weights):
                     grad_m = g @ w
                     if s is not None:
-                        if need[1]:
-                            grad_gate = torch.ops.aten.silu_backward(grad_m * m0, gate)
+                        if need[1]:  # the gate multiplies every chunk's input: sum over chunks
+                            gg = torch.ops.aten.silu_backward(grad_m * m0, gate)
+                            grad_gate = gg if grad_gate is None else grad_gate + gg
                         grad_m = grad_m * s
                     grad_n = grad_m.to(x.dtype) if grad_n is None else grad_n + grad_m.to(x.dtype)
                 if need[0] or need[2] or need[3]:

@@ -240,8 +240,10 @@ def test_norm_linear_gradcheck_and_values():
     x, gate, nw, nb, w, b = r(5, 6), r(5, 6), r(6), r(6), r(4, 6), r(4)
     for args in [(x, nw, nb, 1e-6, w, b, 2), (x, nw, nb, 1e-6, w, None, 1), (x, None, None, 1e-6, w, b, 1)]:
         assert torch.autograd.gradcheck(lambda *a: norm_linear(*a), args)
-    assert torch.autograd.gradcheck(lambda x, q, nw, nb, w, b: norm_linear(x, nw, nb, 1e-6, w, b, 1, gate=q),
-                                    (x, gate, nw, nb, w, b))
+    for chunks in (1, 2):
+        assert torch.autograd.gradcheck(
+            lambda x, q, nw, nb, w, b: norm_linear(x, nw, nb, 1e-6, w, b, chunks, gate=q), (x, gate, nw, nb, w, b)
+        )
     expected = F.linear(F.layer_norm(x, (6,), nw, nb, 1e-6) * F.silu(gate), w, b)
     torch.testing.assert_close(norm_linear(x, nw, nb, 1e-6, w, b, gate=gate)[0], expected)
     with pytest.raises(ValueError, match="`chunks`"):
