@@ -4,8 +4,10 @@ Counts every tensor saved for backward (``torch.autograd.graph.saved_tensors_hoo
 so views of one buffer are not counted twice and parameters are left out. Eager runs also attribute the
 bytes to the top-level blocks they were saved in (module hooks); compiled runs (``--compile``: Inductor
 decides what to save or recompute) report the total only. Runs on CPU or GPU; the saved bytes depend on
-the model, batch, resolution and dtype, not on the device (the op's CUDA and CPU paths save the same
-tensors), so a CPU run predicts the GPU's activation memory.
+the model, batch, resolution, dtype and device (autocast casts different ops on CPU and CUDA). On CUDA it
+also reports what the allocator holds after the forward ("held", saved tensors and the loss) and its peaks
+during the forward and the backward, relative to the memory allocated before the step (weights,
+gradients, optimizer state excluded).
 
     python scripts/activation_memory.py --models gspn2_tiny swin_tiny_patch4_window7_224 convnext_tiny
     python scripts/activation_memory.py --models gspn2_tiny --compile --resolution 224 --batch 2
@@ -98,15 +100,29 @@ def measure(name: str, batch: int, resolution: int, dtype: torch.dtype, device: 
     if compile_model:  # compile outside the count, then count a second forward
         with autocast:
             fn(x).float().sum().backward()
+        model.zero_grad(set_to_none=True)  # both modes allocate the gradients inside the counted step
+    cuda = torch.device(device).type == "cuda"
+    if cuda:  # what the device really holds: after the forward, and at the peak of the backward
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     with SavedTensorCounter(model, blocks) as counter, autocast:
         loss = fn(x).float().sum()
+    if cuda:
+        torch.cuda.synchronize()
+        held_after_forward, peak_forward = torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
     loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
+        peak_backward = torch.cuda.max_memory_allocated() - base
     per_block = {}
     for b in blocks:
         per_block[b] = counter.per_block.get(b, 0)
     return dict(model=name, batch=batch, resolution=resolution, dtype=str(dtype).split(".")[1], compiled=compile_model,
                 saved_bytes=counter.total, per_block=per_block,
-                outside_blocks=counter.per_block.get("(outside blocks)", 0))
+                outside_blocks=counter.per_block.get("(outside blocks)", 0),
+                **(dict(held_after_forward=held_after_forward, peak_forward=peak_forward, peak_backward=peak_backward)
+                   if cuda else {}))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -140,10 +156,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if aot:
         mode += " with " + ", ".join(f"{k}={v}" for k, v in aot.items())
     print(f"saved for backward, {mode}, batch {args.batch}, {args.resolution}^2, {args.dtype} autocast, {args.device}")
-    print(f"{'model':32s} {'MB':>9s} {'MB / image':>11s} {'vs first':>9s}")
+    cuda = "peak_backward" in rows[0]
+    extra = f" {'held MB':>9s} {'fwd peak':>9s} {'bwd peak':>9s}" if cuda else ""
+    print(f"{'model':32s} {'MB':>9s} {'MB / image':>11s} {'vs first':>9s}{extra}")
     for r in rows:
         mb = r["saved_bytes"] / 2**20
-        print(f"{r['model']:32s} {mb:9.1f} {mb / args.batch:11.2f} {r['saved_bytes'] / rows[0]['saved_bytes']:8.2f}x")
+        extra = "".join(f" {r[k] / 2**20:9.1f}" for k in ("held_after_forward", "peak_forward", "peak_backward")) if cuda else ""
+        print(f"{r['model']:32s} {mb:9.1f} {mb / args.batch:11.2f} {r['saved_bytes'] / rows[0]['saved_bytes']:8.2f}x{extra}")
         if args.blocks:
             for b, n in r["per_block"].items():
                 print(f"    {b:40s} {n / 2**20:8.2f} MB")

@@ -105,6 +105,9 @@ def bench_train(name: str, mode: str, resolution: int, batch: int, warmup: int, 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    # The peak is this model's own: without the reset, a compile-ro run would report the largest peak of
+    # every model measured before it in this process.
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(2):  # allocate optimizer state before measuring peak memory
         step()
     torch.cuda.synchronize()

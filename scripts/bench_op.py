@@ -2,11 +2,11 @@
 
     python scripts/bench_op.py --out-dir docs/bench            # everything (about a minute on an H200)
     python scripts/bench_op.py --quick                          # the headline shapes only
-    python scripts/bench_op.py --cluster-choice                 # streaming vs cluster kernel, fp32 forward
+    python scripts/bench_op.py --cluster-choice                 # streaming vs cluster kernels, bf16 and fp32
 
 For every shape: forward and backward time of the kernels the op picks (the streaming kernels for
-lines of up to 1024 pixels, with the cluster kernel for the float32 forward's horizontal directions on
-tall images; the general ones beyond) and, side by side, of the general kernels (``GSPN2_KERNEL=general``)
+lines of up to 1024 pixels, with the cluster kernels for the horizontal directions of the float32 forward
+on tall images and of the backward on large problems; the general ones beyond) and, side by side, of the general kernels (``GSPN2_KERNEL=general``)
 where both apply and of the streaming kernels alone (``GSPN2_KERNEL=fast``) where the cluster kernel runs; kernel time (median of CUDA-graph replays, triton's
 ``do_bench_cudagraph``; ``do_bench`` with CUDA events where graphs are unavailable), the achieved fraction
 of the bandwidth floor, the pure-PyTorch reference's time where affordable (one iteration) and
@@ -233,10 +233,10 @@ def plot(records, path):
     fig.savefig(path, dpi=120)
 
 
-# Where the cluster kernels pay: (B, C, H, K), W = H; float32 and bf16 (the forward) ...
+# Where the cluster kernels pay: (B, C, H, K), W = H; bf16 and float32 ...
 CLUSTER_CHOICE_SHAPES = [(1, 8, h, 1) for h in (256, 384, 512, 768, 1024)] + [
     (16, 2, 512, 2), (16, 2, 768, 2), (16, 2, 1024, 2), (4, 2, 1024, 2), (64, 2, 256, 2)]
-# ... and smaller problems around the backward's threshold (2^20 elements), float32 only.
+# ... and smaller problems around the backward's threshold (2^20 elements).
 CLUSTER_CHOICE_SMALL = [(32, 49, 32, 49), (128, 2, 32, 1), (128, 8, 64, 1), (1, 8, 64, 1), (1, 8, 128, 8),
                         (16, 2, 128, 2), (64, 2, 128, 2), (16, 4, 128, 2), (1, 8, 192, 1), (16, 2, 256, 2)]
 
@@ -245,8 +245,8 @@ def cluster_choice(out_dir: str) -> list:
     """Forward and backward time of the streaming kernels alone and with the cluster kernels at 2, 4 and 8
     CTAs per line (GSPN2_CLUSTER_CTAS), same inputs, same run: the data behind the planner's choice."""
     rows = []
-    cases = [(shape, dt) for dt in ("fp32", "bf16") for shape in CLUSTER_CHOICE_SHAPES]
-    for (B, C, H, K), dt in cases + [(shape, "fp32") for shape in CLUSTER_CHOICE_SMALL]:
+    cases = [(shape, dt) for dt in ("bf16", "fp32") for shape in CLUSTER_CHOICE_SHAPES + CLUSTER_CHOICE_SMALL]
+    for (B, C, H, K), dt in cases:
         x, lam, gates = inputs(B, C, H, H, K, DT[dt])
         h = _cuda.forward(x, lam, gates, None)
         grad_h = torch.randn_like(h)
@@ -260,7 +260,7 @@ def cluster_choice(out_dir: str) -> list:
             os.environ["GSPN2_CLUSTER_CTAS"] = str(n)
             if (H + n - 1) // n <= 512:
                 row[f"cluster{n}_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
-            if (H + n - 1) // n <= 128 and dt == "fp32":  # the backward kernel is float32 only
+            if (H + n - 1) // n <= 128:  # the backward kernel's rows per CTA
                 row[f"cluster{n}_bwd_ms"] = median_ms(lambda: _cuda.backward(grad_h, x, lam, gates, h, None))
         del os.environ["GSPN2_CLUSTER_CTAS"], os.environ["GSPN2_KERNEL"]
         row["auto_ctas"] = _cuda.plan(B, C, H, H, K, name)["cluster_ctas"]
@@ -290,7 +290,7 @@ def main():
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="headline shapes only, no sweep")
     ap.add_argument("--cluster-choice", action="store_true",
-                    help="only the float32 forward, streaming vs cluster kernel at 2/4/8 CTAs per line")
+                    help="only streaming vs cluster kernels at 2/4/8 CTAs per line, forward and backward, bf16 and fp32")
     args = ap.parse_args()
     assert torch.cuda.is_available() and _cuda.extension_available(), "needs a GPU and the built extension"
     os.makedirs(args.out_dir, exist_ok=True)

@@ -50,10 +50,12 @@ import os
 os.environ["GSPN2_KERNEL"] = "cluster"
 import torch, gspn2
 from gspn2.ops import gspn_propagate
-for (B, C, H, W, K, chunk) in [(1, 2, 40, 32, 1, None), (1, 1, 300, 48, 1, 7), (1, 4, 37, 32, 2, 3)]:
-    x = torch.randn(B, C, H, W, device="cuda", requires_grad=True)
-    lam = torch.randn(B, 4, C, H, W, device="cuda", requires_grad=True)
-    g = torch.randn(B, 4, 3, K, H, W, device="cuda", requires_grad=True)
+for (B, C, H, W, K, chunk, dt) in [(1, 2, 40, 32, 1, None, torch.float32), (1, 1, 300, 48, 1, 7, torch.float32),
+                                   (1, 4, 37, 32, 2, 3, torch.float32), (1, 2, 40, 32, 2, 5, torch.bfloat16),
+                                   (1, 4, 37, 32, 2, 3, torch.float16)]:
+    x = torch.randn(B, C, H, W, device="cuda", dtype=dt, requires_grad=True)
+    lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dt, requires_grad=True)
+    g = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dt, requires_grad=True)
     h = gspn_propagate(x, lam, g, chunk)
     torch.autograd.grad(h, (x, lam, g), torch.randn_like(h))  # the backward on autograd's thread
 torch.cuda.synchronize()

@@ -85,8 +85,8 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
 // multiple of the tile and it fits. GSPN2_KERNEL=general forces the general kernels (tests, comparisons).
-// The horizontal directions go to the cluster kernel (float32, W a multiple of its tile, sm_90): the forward
-// for lines of at least kClusterAutoMinLine rows, the backward for problems of at least
+// The horizontal directions go to the cluster kernels (W a multiple of its tile, sm_90): the float32 forward
+// for lines of at least kClusterAutoMinLine rows, the backward (every dtype) for problems of at least
 // kClusterAutoMinElemsBwd elements (B * C * H * W), or always with GSPN2_KERNEL=cluster: the
 // fewest CTAs per line whose rows fit one CTA, doubled (up to 8) while the launch leaves SMs idle;
 // GSPN2_CLUSTER_CTAS overrides the count (benchmarks).
@@ -96,9 +96,10 @@ void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, in
   // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
   const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
   if (kind != "cluster" && !(kind == "auto" && large)) return;
-  // auto: float32 only (the 16-bit forward measured slower than the streaming kernels on most shapes); the
-  // backward kernel is float32 only.
-  if ((kind == "auto" || backward) && p.dtype != ScalarType::Float) return;
+  // auto: the forward in float32 only (the 16-bit forward measured slower than the streaming kernels on most
+  // shapes); the backward in every dtype.
+  if (kind == "auto" && !backward && p.dtype != ScalarType::Float) return;
+  if (kind == "auto" && backward && p.dtype != ScalarType::Float && p.H < kClusterAutoMinLineBwd16) return;
   if (p.W % kClusterTile != 0 || cc_major < 9) {
     GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs W a multiple of ", kClusterTile,
                 " and an sm_90 GPU; got W = ", p.W, ", compute capability ", cc_major, ".x");

@@ -24,13 +24,14 @@ constexpr int kFastMaxLine = 1024;
 constexpr int kFastSmallThreads = 256;  // blocks of at most this many threads may keep up to 4 channels
 constexpr int kFastTileF = 8;           // forward: scan steps per horizontal tile (32 B fp32, 16 B 16-bit)
 constexpr int kFastTileB = 4;           // backward: scan steps per horizontal tile (16 B fp32, 8 B 16-bit)
-// Cluster kernel (propagate_cluster.cu, sm_90, float32 forward of the horizontal directions): each line
+// Cluster kernels (propagate_cluster.cu, sm_90, forward and backward of the horizontal directions): each line
 // split over 2, 4 or 8 CTAs of a thread-block cluster, at most kClusterMaxRows own rows per CTA.
 constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per side
 constexpr int kClusterMaxRows = 512;
 constexpr int kClusterMaxRowsBwd = 128;  // the backward stages 7 planes twice and 5 output planes
 constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto: the forward for H >= this (bench_op.py --cluster-choice)
 constexpr int64_t kClusterAutoMinElemsBwd = int64_t(1) << 20;  // ... the backward for B * C * H * W >= this
+constexpr int kClusterAutoMinLineBwd16 = 64;  // ... and, with 16-bit inputs, H >= this (bf16 32x49x32^2 measured slower)
 
 // Division by a launch-invariant divisor through a multiply (Granlund-Montgomery round-up method):
 // d >= 1 and numerators below 2^31. Set up on the host, used by the kernels.

@@ -1,5 +1,5 @@
 // Forward of the two horizontal directions (d = 0, 1: lines are image columns, steps along W) with each
-// line split over a thread-block cluster (sm_90). Used by the streaming plan for float32 when it pays
+// line split over a thread-block cluster (sm_90). Used by the streaming plan when it pays
 // (docs/kernel.md, "Cluster kernel"); the vertical directions then run in the streaming kernel.
 //
 // Cluster of NCTA CTAs per (d, b, c): CTA `rank` owns rows [rank * R, rank * R + R) of the line and also
@@ -22,6 +22,7 @@
 #include <cooperative_groups.h>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -92,10 +93,6 @@ __device__ __forceinline__ void cluster_arrive_release() {
 __device__ __forceinline__ void cluster_wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// 16-byte piece v of row r in a stage of 64-byte rows, as TMA's 64-byte swizzle places it
-__device__ __forceinline__ float4* piece(float4* base, int r, int v) { return base + r * 4 + (v ^ ((r >> 1) & 3)); }
-__device__ __forceinline__ float el(const float4& f, int e) { return reinterpret_cast<const float*>(&f)[e]; }
-
 // A stage row holds one row's T steps of one plane: 64 bytes (fp32, TMA's 64-byte swizzle: 16-byte
 // piece ^= (row >> 1) & 3) or 32 bytes (16-bit, 32-byte swizzle: piece ^= (row >> 2) & 1).
 template <typename scalar_t>
@@ -305,12 +302,20 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
 //   * phase B, parallel: grad_lam = x adj, the grad_x term lam adj, the gate-logit gradients (h_{s-1} of
 //     rows q - 1, q, q + 1 from the stage), into an output stage that leaves as TMA box stores.
 // Outputs of the own rows only; the arithmetic per pixel is the streaming backward's (backward_step).
+// Every dtype: the input planes are RowIO rows (64 bytes fp32, 32 bytes 16-bit); grad_lam leaves in the
+// input dtype, the grad_x terms and gate partials in fp32, unsplit gate gradients in the input dtype.
 constexpr int kMaxThreadsBwd = kClusterMaxRowsBwd + 2 * HALO;
 constexpr int NIN_B = 7, NOUT_B = 5;
+// Bytes of the backward's two input stage buffers (rows of rb bytes), rounded up to 1024 so the output
+// stage behind them starts where TMA's swizzle pattern does.
+__host__ __device__ constexpr int bwd_stage_bytes(int srows, int rb) { return (2 * NIN_B * srows * rb + 1023) / 1024 * 1024; }
 
-template <int NCTA>
+template <typename scalar_t, int NCTA>
 __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using IO = RowIO<scalar_t>;  // the seven input planes; grad_lam (and unsplit gate gradients) go out in this type
+  using IO32 = RowIO<float>;   // the grad_x terms and gate partials: fp32
+  constexpr int RB = IO::RB, EPP = IO::EPP;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
@@ -320,9 +325,10 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
 
   unsigned char* base = smem_base(smem_raw);
   const int srows = p.boxrows;
-  float4* const stage0 = reinterpret_cast<float4*>(base);                          // [2][NIN_B][srows][4]
-  float4* const ostage = stage0 + size_t(2) * NIN_B * srows * 4;                    // [NOUT_B][R][4]
-  float* const lines = reinterpret_cast<float*>(ostage + size_t(NOUT_B) * p.R * 4);  // [2][3][nt + 2]
+  unsigned char* const stage0 = base;  // [2][NIN_B][srows] rows of RB bytes
+  // [NOUT_B][R] rows of 64 bytes (a 16-bit plane uses the first 32 of each), 1024-byte aligned like the stage
+  unsigned char* const ostage = stage0 + bwd_stage_bytes(srows, RB);
+  float* const lines = reinterpret_cast<float*>(ostage + size_t(NOUT_B) * p.R * 64);  // [2][3][nt + 2]
   float* const inbox = lines + 6 * (nt + 2);                                        // [2][2 sides][3][HALO]
   uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 12 * HALO + 2);         // [2], 8-byte aligned
   for (int k = i; k < 6 * (nt + 2) + 12 * HALO; k += blockDim.x) lines[k] = 0.f;
@@ -334,9 +340,10 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
   // gate gradients: (B, 4, 3, K, H, W), or the per-channel partials (G, B, 4, 3, K, H, W)
   const int pgg = p.part ? (c % p.G) * p.B * 12 * p.K + pg : pg;
   const int ntl = p.W / T;
-  const uint32_t tx_bytes = uint32_t(NIN_B) * srows * T * 4;
+  const uint32_t tx_bytes = uint32_t(NIN_B) * srows * RB;
   auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
-  auto plane = [&](int buf, int k) { return stage0 + (size_t(buf) * NIN_B + k) * srows * 4; };
+  auto plane = [&](int buf, int k) { return stage0 + (size_t(buf) * NIN_B + k) * srows * RB; };
+  auto oplane = [&](int k) { return ostage + size_t(k) * p.R * 64; };
   auto issue = [&](int kt, int buf) {  // thread 0
     uint64_t* mb = &bar[buf];
     mbar_expect_tx(mb, tx_bytes);
@@ -365,15 +372,16 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
     mbar_wait(&bar[buf], (m >> 1) & 1);
     if (i == 0 && kt > 0) issue(kt - 1, buf ^ 1);  // that buffer was last read before the previous tile's end
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const float4 g0 = *piece(plane(buf, 2), i, v), g1 = *piece(plane(buf, 3), i, v);
-      const float4 g2 = *piece(plane(buf, 4), i, v), gh = *piece(plane(buf, 5), i, v);
+    for (int pc = 0; pc < IO::NPC; ++pc) {
+      const uint4 g0 = IO::load(plane(buf, 2), i, pc), g1 = IO::load(plane(buf, 3), i, pc);
+      const uint4 g2 = IO::load(plane(buf, 4), i, pc), gh = IO::load(plane(buf, 5), i, pc);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;
-        const dev::Gates gt = dev::normalise(el(g0, e), el(g1, e), el(g2, e), q, p.H);
+      for (int e = 0; e < EPP; ++e) {
+        const int j = pc * EPP + e;
+        const int t = d == 0 ? j : T - 1 - j;
+        const dev::Gates gt = dev::normalise(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
         w0[t] = gt.a0 * gt.inv, w1[t] = gt.s1 * gt.inv, w2[t] = gt.a2 * gt.inv;
-        A[t] = inimg ? el(gh, e) : 0.f;
+        A[t] = inimg ? IO::get(gh, e) : 0.f;
       }
     }
     if (m > 0) {
@@ -432,61 +440,84 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
 
     // Phase B: h_{s-1} of rows q - 1, q, q + 1 at step t is this tile's step t - 1, or for t = 0 the last
     // step of tile kt - 1 (the other stage buffer).
-    if (own) {
+    // With the direction a compile-time constant every register array is indexed statically.
+    auto phase_b = [&](auto dir) {
+      constexpr int D = decltype(dir)::value;
       float hs[3][T];
 #pragma unroll
       for (int r = 0; r < 3; ++r) {
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const float4 f = *piece(plane(buf, 6), i - 1 + r, v);
+        for (int pc = 0; pc < IO::NPC; ++pc) {
+          const uint4 f = IO::load(plane(buf, 6), i - 1 + r, pc);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;
-            if (t + 1 < T) hs[r][t + 1] = el(f, e);
+          for (int e = 0; e < EPP; ++e) {
+            const int j = pc * EPP + e;
+            const int t = D == 0 ? j : T - 1 - j;
+            if (t + 1 < T) hs[r][t + 1] = IO::get(f, e);
           }
         }
         hs[r][0] = 0.f;
       }
       if (kt > 0) {
         mbar_wait(&bar[buf ^ 1], ((m + 1) >> 1) & 1);
-        const int jl = d == 0 ? T - 1 : 0;  // stage element of a tile's last scan step
+        // the stage element of a tile's last scan step: column T - 1 (d = 0) or 0 (d = 1)
 #pragma unroll
-        for (int r = 0; r < 3; ++r) hs[r][0] = el(*piece(plane(buf ^ 1, 6), i - 1 + r, jl >> 2), jl & 3);
+        for (int r = 0; r < 3; ++r) {
+          const uint4 f = IO::load(plane(buf ^ 1, 6), i - 1 + r, D == 0 ? IO::NPC - 1 : 0);
+          hs[r][0] = IO::get(f, D == 0 ? EPP - 1 : 0);
+        }
       }
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const float4 fx = *piece(plane(buf, 0), i, v), fl = *piece(plane(buf, 1), i, v);
-        const float4 g0 = *piece(plane(buf, 2), i, v), g1 = *piece(plane(buf, 3), i, v);
-        const float4 g2 = *piece(plane(buf, 4), i, v);
-        float o[NOUT_B][4];
+      for (int pc = 0; pc < IO::NPC; ++pc) {
+        const uint4 fx = IO::load(plane(buf, 0), i, pc), fl = IO::load(plane(buf, 1), i, pc);
+        const uint4 g0 = IO::load(plane(buf, 2), i, pc), g1 = IO::load(plane(buf, 3), i, pc);
+        const uint4 g2 = IO::load(plane(buf, 4), i, pc);
+        float o[NOUT_B][EPP];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = d == 0 ? 4 * v + e : T - 1 - 4 * v - e;
+        for (int e = 0; e < EPP; ++e) {
+          const int j = pc * EPP + e;
+          const int t = D == 0 ? j : T - 1 - j;
           const float adj = A[t];
-          o[0][e] = el(fx, e) * adj;
-          o[1][e] = el(fl, e) * adj;
+          o[0][e] = IO::get(fx, e) * adj;
+          o[1][e] = IO::get(fl, e) * adj;
           o[2][e] = o[3][e] = o[4][e] = 0.f;
           if ((kt * T + t) % p.ce != 0) {
-            const dev::Gates gt = dev::normalise(el(g0, e), el(g1, e), el(g2, e), q, p.H);
+            const dev::Gates gt = dev::normalise(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
             const float gw0 = fmaf(adj, hs[0][t], 0.f), gw1 = fmaf(adj, hs[1][t], 0.f);
             const float gw2 = fmaf(adj, hs[2][t], 0.f);
             dev::gate_grads(gt, gw0, gw1, gw2, q, p.H, o[2][e], o[3][e], o[4][e]);
           }
         }
+        IO::store(oplane(0), i - HALO, pc, o[0]);  // grad_lam, input dtype
 #pragma unroll
-        for (int k = 0; k < NOUT_B; ++k) {
-          *piece(ostage + size_t(k) * p.R * 4, i - HALO, v) = make_float4(o[k][0], o[k][1], o[k][2], o[k][3]);
+        for (int k = 1; k < NOUT_B; ++k) {
+          if (k == 1 || p.part || sizeof(scalar_t) == 4) {  // fp32: the grad_x term, gate partials
+#pragma unroll
+            for (int h4 = 0; h4 < EPP / 4; ++h4) {
+              const float v4[4] = {o[k][4 * h4], o[k][4 * h4 + 1], o[k][4 * h4 + 2], o[k][4 * h4 + 3]};
+              IO32::store(oplane(k), i - HALO, pc * (EPP / 4) + h4, v4);
+            }
+          } else {
+            IO::store(oplane(k), i - HALO, pc, o[k]);  // the gate gradients themselves, input dtype
+          }
         }
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    };
+    if (own) {
+      if (d == 0) {
+        phase_b(std::integral_constant<int, 0>{});
+      } else {
+        phase_b(std::integral_constant<int, 1>{});
+      }
     }
     __syncthreads();  // output stage complete; stage buffer `buf` read
     if (i == 0) {
       const int j0 = col0(kt), r0 = rank * p.R;
-      tma_store(&p.tm_glam, j0, r0, pl, ostage);
-      tma_store(&p.tm_gx, j0, r0, pgx, ostage + size_t(1) * p.R * 4);
+      tma_store(&p.tm_glam, j0, r0, pl, oplane(0));
+      tma_store(&p.tm_gx, j0, r0, pgx, oplane(1));
 #pragma unroll
-      for (int k = 0; k < 3; ++k) tma_store(&p.tm_gg, j0, r0, pgg + k * p.K, ostage + size_t(2 + k) * p.R * 4);
+      for (int k = 0; k < 3; ++k) tma_store(&p.tm_gg, j0, r0, pgg + k * p.K, oplane(2 + k));
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
   }
@@ -544,7 +575,13 @@ using ClusterKernel = void (*)(ClusterParams);
 
 template <int NCTA>
 ClusterKernel pick_kernel(ScalarType dtype, bool backward) {
-  if (backward) return gspn_backward_cluster_kernel<NCTA>;  // float32 only (plan)
+  if (backward) {
+    switch (dtype) {
+      case ScalarType::Half: return gspn_backward_cluster_kernel<__half, NCTA>;
+      case ScalarType::BFloat16: return gspn_backward_cluster_kernel<__nv_bfloat16, NCTA>;
+      default: return gspn_backward_cluster_kernel<float, NCTA>;
+    }
+  }
   switch (dtype) {
     case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA>;
     case ScalarType::BFloat16: return gspn_forward_cluster_kernel<__nv_bfloat16, NCTA>;
@@ -581,7 +618,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
     s.nbox = s.onbox = 1;
     s.boxrows = round_up(s.NT, 8);
     s.oboxrows = s.R;
-    s.smem = 1024 + 2 * NIN_B * s.boxrows * kClusterTile * 4 + NOUT_B * s.R * kClusterTile * 4 +
+    s.smem = 1024 + bwd_stage_bytes(s.boxrows, kClusterTile * esize) + NOUT_B * s.R * kClusterTile * 4 +
              (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
     return s;
   }
@@ -628,20 +665,20 @@ void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
 }
 
 void launch_backward_cluster(const PropagateParams& pp, cudaStream_t stream) {
-  TORCH_CHECK(pp.dtype == ScalarType::Float && pp.ncta > 0 && pp.cs == 1,
-              "gspn2: cluster backward planned for an unsupported case");
-  const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, 4);
+  TORCH_CHECK(pp.ncta > 0 && pp.cs == 1, "gspn2: cluster backward planned for an unsupported case");
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, element_size(pp.dtype));
   bind_context();
   ClusterParams p = cluster_params(pp, s);
   p.part = pp.nsl > 1;
-  make_map(&p.tm_gh, pp.grad_h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
-  make_map(&p.tm_h, pp.h_saved, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows);
-  make_map(&p.tm_glam, pp.grad_lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.R);
+  // Inputs and grad_lam in the input dtype; the grad_x terms and gate partials in fp32.
+  make_map(&p.tm_gh, pp.grad_h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows, pp.dtype);
+  make_map(&p.tm_h, pp.h_saved, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows, pp.dtype);
+  make_map(&p.tm_glam, pp.grad_lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.R, pp.dtype);
   make_map(&p.tm_gx, pp.grad_x_part, pp.W, pp.H, int64_t(4) * pp.B * pp.C, s.R);
   if (p.part) {
     make_map(&p.tm_gg, pp.grad_gates_part, pp.W, pp.H, int64_t(pp.nsl) * pp.B * 12 * pp.K, s.R);
   } else {
-    make_map(&p.tm_gg, pp.grad_gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.R);
+    make_map(&p.tm_gg, pp.grad_gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.R, pp.dtype);
   }
   launch_ncta(p, pp, stream, true);
 }

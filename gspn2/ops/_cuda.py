@@ -25,7 +25,7 @@ import torch
 from gspn2.ops._checks import check_propagate_inputs
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
-__all__ = ["BACKEND_ENV", "KERNEL_ENV", "FAST_MAX_LINE", "CLUSTER_TILE", "CLUSTER_AUTO_MIN_LINE", "CLUSTER_AUTO_MIN_ELEMS_BWD", "backend", "kernel_family", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
+__all__ = ["BACKEND_ENV", "KERNEL_ENV", "FAST_MAX_LINE", "CLUSTER_TILE", "CLUSTER_AUTO_MIN_LINE", "CLUSTER_AUTO_MIN_ELEMS_BWD", "CLUSTER_AUTO_MIN_LINE_BWD_16BIT", "backend", "kernel_family", "extension_available", "extension_error", "BUILD_HINT", "forward", "backward", "plan"]
 
 log = logging.getLogger("gspn2.ops")
 
@@ -33,10 +33,12 @@ log = logging.getLogger("gspn2.ops")
 BACKEND_ENV = "GSPN2_BACKEND"
 _BACKENDS = ("auto", "cuda", "reference")
 #: Environment variable that selects the kernel family: ``auto`` (streaming kernels for lines of up to
-#: FAST_MAX_LINE pixels, with the float32 horizontal directions in the cluster kernels on sm_90 (forward:
-#: H >= CLUSTER_AUTO_MIN_LINE; backward: B * C * H * W >= CLUSTER_AUTO_MIN_ELEMS_BWD); general kernels beyond), ``fast`` (streaming only), ``general``, or
-#: ``cluster`` (the streaming plan with the cluster kernels on every pass they take: the forward in every
-#: dtype, the backward in float32; an error where W is not a multiple of CLUSTER_TILE).
+#: FAST_MAX_LINE pixels, with the horizontal directions in the cluster kernels on sm_90 (forward: float32,
+#: H >= CLUSTER_AUTO_MIN_LINE; backward: B * C * H * W >= CLUSTER_AUTO_MIN_ELEMS_BWD, and for 16-bit inputs
+#: H >= CLUSTER_AUTO_MIN_LINE_BWD_16BIT); general
+#: kernels beyond), ``fast`` (streaming only), ``general``, or ``cluster`` (the streaming plan with the
+#: cluster kernels on every pass, forward and backward, every dtype; an error where W is not a multiple of
+#: CLUSTER_TILE).
 KERNEL_ENV = "GSPN2_KERNEL"
 _KERNELS = ("auto", "fast", "general", "cluster")
 #: Longest line (max(H, W)) the streaming kernels take (gspn2/csrc/propagate.h, kFastMaxLine).
@@ -45,8 +47,10 @@ FAST_MAX_LINE = 1024
 CLUSTER_TILE = 16
 #: GSPN2_KERNEL=auto uses the cluster kernel in the forward for H >= this (kClusterAutoMinLine) ...
 CLUSTER_AUTO_MIN_LINE = 768
-#: ... and in the backward for B * C * H * W >= this (kClusterAutoMinElemsBwd).
+#: ... and in the backward for B * C * H * W >= this (kClusterAutoMinElemsBwd) ...
 CLUSTER_AUTO_MIN_ELEMS_BWD = 1 << 20
+#: ... with, for 16-bit inputs, H >= this (kClusterAutoMinLineBwd16).
+CLUSTER_AUTO_MIN_LINE_BWD_16BIT = 64
 
 BUILD_HINT = (
     "gspn2's CUDA extension (gspn2._C) is not built, so gspn_propagate cannot run its kernel on a CUDA "

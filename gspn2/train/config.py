@@ -116,6 +116,9 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model
     # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
     compile_mode: str = "default"
+    # compile: let AOTAutograd recompute pointwise chains that feed the backward's GEMMs instead of saving
+    # them (torch._functorch.config.ban_recompute_materialized_backward = False); less memory, a little slower
+    compile_lean_memory: bool = False
     grad_checkpointing: bool = False  # model.set_grad_checkpointing(True)
     tf32: bool = True
     cpu_threads: Optional[int] = None  # torch intra-op threads on CPU runs (null: torch's default)

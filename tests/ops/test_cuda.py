@@ -147,8 +147,8 @@ def test_general_kernels_match_float64_reference(case, dtype, monkeypatch):
     test_matches_float64_reference(case, dtype)
 
 
-# The cluster kernels (float32, horizontal directions, forward and backward; GSPN2_KERNEL=cluster forces
-# them on any height): 2, 4 and 8 CTAs per line, heights that are not a multiple of its row blocks, CTAs without own
+# The cluster kernels (horizontal directions, forward and backward; GSPN2_KERNEL=cluster forces them on any
+# height): 2, 4 and 8 CTAs per line, heights that are not a multiple of its row blocks, CTAs without own
 # rows (H = 1, 20), one tile (W = 16), chunk restarts inside and at tile edges, K < C.
 CLUSTER_CASES = [
     (33, 1, 40, 16, 1, 5),  # 2 CTAs per line
@@ -181,21 +181,24 @@ def test_cluster_kernel_matches_reference_and_streaming(case, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", [CLUSTER_CASES[i] for i in (0, 2, 4)], ids=_ids)
-def test_cluster_forward_16bit(case, dtype, monkeypatch):
-    """16-bit inputs: the forward through the cluster kernel (32-byte rows), the backward streaming."""
+@pytest.mark.parametrize("case", [CLUSTER_CASES[i] for i in (0, 2, 3, 4)], ids=_ids)
+def test_cluster_kernels_16bit(case, dtype, monkeypatch):
+    """16-bit inputs (32-byte rows) through both cluster kernels: within the low-precision bound of the
+    float64 reference, and bitwise equal to the streaming kernels, forward and every gradient (grad_lam in
+    the input dtype, the grad_x terms and gate partials in fp32, unsplit gate gradients in the input dtype)."""
     B, C, H, W, K, chunk = case
     name = str(dtype).split(".")[1]
     monkeypatch.setenv("GSPN2_KERNEL", "cluster")
     assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] > 0
-    assert _cuda.plan(B, C, H, W, K, name, backward=True)["cluster_ctas"] == 0
+    assert _cuda.plan(B, C, H, W, K, name, backward=True)["cluster_ctas"] > 0
     test_matches_float64_reference(case, dtype)
-    x, lam, gates, _ = _inputs(B, C, H, W, K, dtype, seed=5)
-    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    inputs = _inputs(B, C, H, W, K, dtype, seed=5)
     _poison_cuda_cache()
-    got = gspn_propagate(xs, ls, gs, chunk)
+    got = _run_kernel(*inputs, chunk)
     monkeypatch.setenv("GSPN2_KERNEL", "fast")
-    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+    want = _run_kernel(*inputs, chunk)
+    for name_, u, v in zip(NAMES, got, want):
+        assert torch.equal(u, v), name_
 
 
 def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
@@ -209,8 +212,10 @@ def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
     torch.testing.assert_close(a, gspn_propagate_ref(xs.double(), ls.double(), gs.double(), 40).float(), rtol=1e-5, atol=1e-5)
     # The backward from 2^20 elements (B * C * H * W) on: deterministic, and equal to the float64 reference.
     case = (16, 4, 128, 128, 2, None)
-    assert _cuda.plan(*case[:5], "float32", backward=True)["cluster_ctas"] > 0
-    assert _cuda.plan(*case[:5], "float32")["cluster_ctas"] == 0
+    for dt in ("float32", "bfloat16", "float16"):  # the backward in every dtype, the forward in float32 only
+        assert _cuda.plan(*case[:5], dt, backward=True)["cluster_ctas"] > 0, dt
+        assert _cuda.plan(*case[:5], dt)["cluster_ctas"] == 0, dt
+    assert _cuda.plan(1, 2, 768, 32, 2, "bfloat16")["cluster_ctas"] == 0
     inputs = _inputs(*case[:5], torch.float32, seed=6)
     got = _run_kernel(*inputs, None)
     for name, u, v in zip(NAMES, got, _run_kernel(*inputs, None)):

@@ -153,3 +153,11 @@ def test_unknown_compile_mode_names_the_key(train_script, digits_root, tmp_path)
     with pytest.raises(ValueError, match=r"trainer.compile_mode must be one of .*'reduce-overhead'.*'fastest'"):
         train_script.train(cfg)
     assert not (tmp_path / "runs").exists()
+
+
+def test_lean_memory_without_compile_is_an_error(train_script, digits_root, tmp_path):
+    cfg = compose_cfg([*TINY, f"data.root={digits_root}", f"runs_root={tmp_path / 'runs'}",
+                       "trainer.compile_lean_memory=true"])
+    with pytest.raises(ValueError, match=r"trainer.compile_lean_memory=true needs trainer.compile=true"):
+        train_script.train(cfg)
+    assert not (tmp_path / "runs").exists()

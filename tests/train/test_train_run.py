@@ -120,3 +120,17 @@ def test_compile_mode_reaches_torch_compile(train_script, digits_root, tmp_path,
                        "trainer.limit_train_steps=1", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"])
     train_script.train(cfg)
     assert calls == [("GSPN2", "reduce-overhead")]
+
+
+def test_compile_lean_memory_sets_the_partitioner(train_script, digits_root, tmp_path, monkeypatch):
+    """``trainer.compile_lean_memory=true`` lets AOTAutograd recompute instead of save (a process-wide
+    setting, restored here by monkeypatch); the compiler is replaced by a recorder, as above."""
+    import torch._functorch.config as aot
+
+    monkeypatch.setattr(aot, "ban_recompute_materialized_backward", True)
+    monkeypatch.setattr(train_script.torch, "compile", lambda model, mode=None, **kw: model)
+    base = [*TINY, f"data.root={digits_root}", "trainer.epochs=1", "trainer.limit_train_steps=1", "trainer.compile=true"]
+    train_script.train(compose_cfg([*base, f"runs_root={tmp_path / 'a'}"]))
+    assert aot.ban_recompute_materialized_backward is True  # off by default
+    train_script.train(compose_cfg([*base, f"runs_root={tmp_path / 'b'}", "trainer.compile_lean_memory=true"]))
+    assert aot.ban_recompute_materialized_backward is False
