@@ -6,8 +6,8 @@ bytes to the top-level blocks they were saved in (module hooks); compiled runs (
 decides what to save or recompute) report the total only. Runs on CPU or GPU; the saved bytes depend on
 the model, batch, resolution, dtype and device (autocast casts different ops on CPU and CUDA). On CUDA it
 also reports what the allocator holds after the forward ("held", saved tensors and the loss) and its peaks
-during the forward and the backward, relative to the memory allocated before the step (weights,
-gradients, optimizer state excluded).
+during the forward and the backward, relative to the memory allocated before the step (the weights are
+excluded; the gradients are allocated inside the step and count in the backward's peak).
 
     python scripts/activation_memory.py --models gspn2_tiny swin_tiny_patch4_window7_224 convnext_tiny
     python scripts/activation_memory.py --models gspn2_tiny --compile --resolution 224 --batch 2

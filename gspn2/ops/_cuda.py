@@ -35,10 +35,9 @@ _BACKENDS = ("auto", "cuda", "reference")
 #: Environment variable that selects the kernel family: ``auto`` (streaming kernels for lines of up to
 #: FAST_MAX_LINE pixels, with the horizontal directions in the cluster kernels on sm_90 (forward: float32,
 #: H >= CLUSTER_AUTO_MIN_LINE; backward: B * C * H * W >= CLUSTER_AUTO_MIN_ELEMS_BWD, and for 16-bit inputs
-#: H >= CLUSTER_AUTO_MIN_LINE_BWD_16BIT); general
-#: kernels beyond), ``fast`` (streaming only), ``general``, or ``cluster`` (the streaming plan with the
-#: cluster kernels on every pass, forward and backward, every dtype; an error where W is not a multiple of
-#: CLUSTER_TILE).
+#: H >= CLUSTER_AUTO_MIN_LINE_BWD_16BIT); general kernels beyond), ``fast`` (streaming only), ``general``,
+#: or ``cluster`` (the streaming plan with the cluster kernels on every pass, forward and backward, every
+#: dtype; an error where W is not a multiple of CLUSTER_TILE).
 KERNEL_ENV = "GSPN2_KERNEL"
 _KERNELS = ("auto", "fast", "general", "cluster")
 #: Longest line (max(H, W)) the streaming kernels take (gspn2/csrc/propagate.h, kFastMaxLine).
