@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
 from gspn2.counting import count_model
-from gspn2.train.build import build_mixup_and_loss, build_model, build_optimizer, build_scheduler
+from gspn2.train.build import build_mixup_and_loss, build_model, build_optimizer, build_scheduler, compile_model
 from gspn2.train.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -213,11 +213,7 @@ def train(cfg: DictConfig) -> Path:
 
     train_model: nn.Module = model
     if cfg.trainer.compile:
-        if cfg.trainer.compile_lean_memory:
-            # AOTAutograd's partitioner may then recompute the pointwise chains that feed backward GEMMs
-            # instead of keeping their outputs (docs/benchmarks.md, "Models": lower peak, ~3% slower)
-            torch._functorch.config.ban_recompute_materialized_backward = False
-        train_model = torch.compile(train_model, mode=cfg.trainer.compile_mode)
+        train_model = compile_model(train_model, cfg.trainer.compile_mode, cfg.trainer.compile_lean_memory)
     if info.enabled:
         train_model = DistributedDataParallel(
             train_model,

@@ -15,7 +15,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
-__all__ = ["build_model", "build_optimizer", "build_scheduler", "build_mixup_and_loss"]
+__all__ = ["build_model", "build_optimizer", "build_scheduler", "build_mixup_and_loss", "compile_model"]
 
 
 def build_model(model_cfg, num_classes: int) -> nn.Module:
@@ -86,3 +86,19 @@ def build_mixup_and_loss(aug_cfg, num_classes: int) -> tuple[Mixup | None, nn.Mo
     if aug_cfg.smoothing > 0:
         return None, LabelSmoothingCrossEntropy(smoothing=aug_cfg.smoothing)
     return None, nn.CrossEntropyLoss()
+
+
+def compile_model(model: nn.Module, mode: str, lean_memory: bool = False) -> nn.Module:
+    """``torch.compile(model, mode=mode)``; with ``lean_memory`` AOTAutograd's partitioner may recompute the
+    pointwise chains that feed the backward's GEMMs instead of keeping their outputs
+    (``torch._functorch.config.ban_recompute_materialized_backward = False``, a process-wide setting: lower
+    training peak, a few percent slower; docs/benchmarks.md, "Models").
+
+    Kept here rather than in train.py: submitit pickles train.py's functions by value, and a reference to
+    ``torch._functorch.config`` (a module subclass) there cannot be pickled.
+    """
+    if lean_memory:
+        import torch._functorch.config as aot_config
+
+        aot_config.ban_recompute_materialized_backward = False
+    return torch.compile(model, mode=mode)
