@@ -41,7 +41,13 @@ from tqdm import tqdm
 
 import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
 from gspn2.counting import count_model
-from gspn2.train.build import build_mixup_and_loss, build_model, build_optimizer, build_scheduler, compile_model
+from gspn2.train.build import (
+    build_mixup_and_loss,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    compile_model,
+)
 from gspn2.train.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
