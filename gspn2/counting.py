@@ -1,8 +1,8 @@
 """Parameter and MAC counting with fvcore, including the ``gspn2::propagate`` op.
 
 fvcore counts one multiply-add as one "flop", which is the MAC convention of the GSPN papers; we call the
-result MACs. fvcore does not know our custom op, so a handle is registered for ``gspn2::propagate``:
-4 MACs per output element (3 neighbour products + lambda * x, SPEC 1.1), the output being
+result MACs. fvcore does not know our custom ops, so handles are registered for ``gspn2::depthwise_conv2d`` (K * K
+MACs per output element, as fvcore's own depthwise convolution) and ``gspn2::propagate``: 4 MACs per output element (3 neighbour products + lambda * x, SPEC 1.1), the output being
 ``(B, 4, C, H, W)``, i.e. all four directions. Operators fvcore cannot count are not hidden: they are
 returned in :attr:`ModelCount.unsupported_ops` (which includes the elementwise ops fvcore skips by design
 only where fvcore itself reports them).
@@ -40,6 +40,7 @@ __all__ = [
     "ModelCount",
     "PaperCount",
     "count_model",
+    "depthwise_conv_mac_handle",
     "propagate_mac_handle",
 ]
 
@@ -84,6 +85,15 @@ def propagate_mac_handle(inputs: List[Any], outputs: List[Any]) -> int:
     if shape is None or len(shape) != 5:
         raise ValueError(f"gspn2::propagate: expected a (B, 4, C, H, W) output, got shape {shape}")
     return PROPAGATE_MACS_PER_ELEMENT * math.prod(shape)
+
+
+def depthwise_conv_mac_handle(inputs: List[Any], outputs: List[Any]) -> int:
+    """fvcore handle for ``gspn2::depthwise_conv2d``: ``K * K`` MACs per output element, as fvcore counts a
+    depthwise ``nn.Conv2d`` (the fused ``+ x`` is elementwise and, like fvcore's, not counted)."""
+    out, weight = get_shape(outputs[0]), get_shape(inputs[1])
+    if out is None or weight is None or len(out) != 4 or len(weight) != 4:
+        raise ValueError(f"gspn2::depthwise_conv2d: expected 4-D output and weight, got {out} and {weight}")
+    return weight[2] * weight[3] * math.prod(out)
 
 
 @dataclass
@@ -206,6 +216,7 @@ def count_model(
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             analysis = FlopCountAnalysis(model, (x,))
             analysis.set_op_handle("gspn2::propagate", propagate_mac_handle)
+            analysis.set_op_handle("gspn2::depthwise_conv2d", depthwise_conv_mac_handle)
             # Unsupported ops are returned in the result instead of logged once per run.
             analysis.unsupported_ops_warnings(False)
             analysis.uncalled_modules_warnings(False)

@@ -146,10 +146,11 @@ def environment() -> dict:
 
 
 def _gspn2_backend() -> str:
+    from gspn2.layers.dwconv import dwconv_backend
     from gspn2.ops import _cuda
 
     built = "built" if _cuda.extension_available() else "not built"
-    return f"GSPN2_BACKEND={_cuda.backend()}, GSPN2_KERNEL={_cuda.kernel_family()}, extension {built}"
+    return f"GSPN2_BACKEND={_cuda.backend()}, GSPN2_KERNEL={_cuda.kernel_family()}, GSPN2_DWCONV={dwconv_backend()}, extension {built}"
 
 
 def to_markdown(results: list[Result], env: dict) -> str:

@@ -413,6 +413,13 @@ auto no_throw(Ret (*fn)(Args...)) {
 }
 
 }  // namespace
+
+// Depthwise convolution (dwconv.cpp).
+at::Tensor dwconv_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          bool add_input, bool silu);
+std::vector<at::Tensor> dwconv_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
+                                        bool add_input, bool need_input, bool need_weight);
+
 }  // namespace gspn2
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -423,4 +430,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_h"), py::arg("x"), py::arg("lam"), py::arg("gates"), py::arg("h"), py::arg("chunk"));
   m.def("plan", gspn2::no_throw(&gspn2::plan), "(plan dict, error) for a problem", py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"),
         py::arg("K"), py::arg("dtype"), py::arg("backward"));
+  m.def("dwconv_forward", gspn2::no_throw(&gspn2::dwconv_forward),
+        "(y, error) = depthwise conv(x) + bias [+ x] [then SiLU], channels_last", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("add_input"), py::arg("silu"));
+  m.def("dwconv_backward", gspn2::no_throw(&gspn2::dwconv_backward),
+        "([grad_x, grad_weight (fp32), grad_bias (fp32)], error)", py::arg("grad_y"), py::arg("x"), py::arg("weight"),
+        py::arg("add_input"), py::arg("need_input"), py::arg("need_weight"));
 }

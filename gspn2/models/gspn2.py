@@ -43,7 +43,7 @@ from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, trunc_nor
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
 from timm.models._features import feature_take_indices
 
-from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, norm_linear, to_rows
+from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, depthwise_conv2d, from_rows, norm_linear, to_rows
 from gspn2.ops import gspn_propagate
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
@@ -71,14 +71,17 @@ class LocalPerceptionUnit(nn.Module):
     Shapes: ``(B, C, H, W) -> (B, C, H, W)``.
     """
 
-    def __init__(self, dim: int, kernel_size: int = 3) -> None:
+    def __init__(self, dim: int, kernel_size: int = 3, fast_path: bool = True) -> None:
         super().__init__()
         _check_positive_int("dim", dim)
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"`kernel_size` must be a positive odd int, got {kernel_size!r}")
         self.conv = nn.Conv2d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+        self.fast_path = fast_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_path:  # one pass: gspn2.layers.depthwise_conv2d adds the input
+            return depthwise_conv2d(x, self.conv.weight, self.conv.bias, add_input=True)
         return x + self.conv(x)
 
 
@@ -167,7 +170,7 @@ class GSPN2Mixer(nn.Module):
             v, z = (from_rows(t, B, H, W) for t in norm_linear(to_rows(x), norm.weight, norm.bias, norm.eps, w, b, 2))
         else:
             v, z = self.in_proj(norm(x) if norm is not None else x)  # (B, E, H, W) each, channels_last memory
-        v = self.act(self.conv_dw(v))
+        v = depthwise_conv2d(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
         # The op scans contiguous NCHW lines: copy the proxy-sized slices (P + 4P + 12K channels) once.
         # All three come from one GEMM, so they already share a dtype.
@@ -478,12 +481,12 @@ class GSPN2(nn.Module):
 
     @torch.jit.ignore
     def set_fast_path(self, enable: bool = True) -> None:
-        """Switch every mixer, MLP, 1x1 convolution and LayerNorm between the fast path and the
+        """Switch every mixer, local perception unit, MLP, 1x1 convolution and LayerNorm between the fast path and the
         module-by-module reference; both compute the same function with the same parameters."""
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r}")
         for m in self.modules():
-            if isinstance(m, (GSPN2Mixer, PointwiseMlp, Conv1x1, LayerNorm2d)):
+            if isinstance(m, (GSPN2Mixer, PointwiseMlp, Conv1x1, LayerNorm2d, LocalPerceptionUnit)):
                 m.fast_path = enable
 
     @torch.jit.ignore

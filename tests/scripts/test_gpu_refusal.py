@@ -17,3 +17,21 @@ def test_refuses_to_run_without_a_gpu(script, models, monkeypatch):
     monkeypatch.setattr("sys.argv", [f"{script}.py", "--models", models])
     with script_module(script) as module, pytest.raises(SystemExit, match="needs a CUDA GPU"):
         module.main()
+
+
+def test_bench_dwconv_refuses_without_a_gpu_and_checks_its_arguments(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["bench_dwconv.py"])
+    with script_module("bench_dwconv") as module, pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        module.main()
+    monkeypatch.setattr("sys.argv", ["bench_dwconv.py", "--variants", "t5v3"])
+    with script_module("bench_dwconv") as module, pytest.raises(SystemExit):
+        module.main()
+
+
+def test_bench_dwconv_model_shapes():
+    with script_module("bench_dwconv") as module:
+        shapes = module.model_shapes("gspn2_tiny", 224)
+    # per stage: the 3x3 LPU on C channels with its residual, the mixer's 7x7 on 1.5C
+    assert shapes[:2] == [(80, 56, 3, True), (120, 56, 7, False)]
+    assert shapes[-2:] == [(640, 7, 3, True), (960, 7, 7, False)]

@@ -1,0 +1,72 @@
+// Depthwise convolution on channels-last (NHWC) memory: the kernels of dwconv_kernel.cu and the host code of
+// dwconv.cpp share these plain structs (no torch headers, so the .cu file compiles without them).
+//
+//   y[b, h, w, c] = bias[c] + sum_{i, j < K} x[b, h + i - K/2, w + j - K/2, c] * tap[i * K + j][c]
+//                   (+ residual[b, h, w, c]) (then SiLU, if asked)
+//
+// with zero padding ("same" output, stride 1). The taps are float32, laid out (K*K, C) so that a warp
+// reads consecutive channels; `flip` reads tap K*K-1-t for tap t, which turns the forward into the input
+// gradient (the convolution of grad_y with the flipped kernel). Sums are accumulated in float32.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "propagate.h"  // ScalarType
+
+namespace gspn2 {
+
+// Kernel sizes with compiled kernels (odd, "same" padding). Others run aten's convolution.
+inline bool dwconv_kernel_size_supported(int K) { return K == 3 || K == 5 || K == 7; }
+
+// Output pixels along W per thread, `tile` (4 or 8): a register sliding window over K + tile - 1 input
+// columns; and channels per thread, `vec`: 8 (16 bytes of a 16-bit dtype) or 4. dwconv.cpp picks both
+// (GSPN2_DWCONV_TILE and GSPN2_DWCONV_VEC override them: benchmarks).
+
+struct DwConvForwardParams {
+  const void* x = nullptr;         // (B, H, W, C)
+  const float* taps = nullptr;     // (K*K, C)
+  const float* bias = nullptr;     // (C,) or null
+  const void* residual = nullptr;  // (B, H, W, C) added to the output, or null
+  void* y = nullptr;               // (B, H, W, C)
+  int B = 0, H = 0, W = 0, C = 0, K = 0;
+  bool flip = false;
+  bool silu = false;
+  int tile = 4;
+  int vec = 8;
+  ScalarType dtype = ScalarType::Float;
+  cudaStream_t stream = nullptr;
+};
+
+// Weight and bias gradients: partial sums per chunk of output strips (deterministic: a fixed split that
+// depends on the shape only), then one pass that sums the chunks in order.
+struct DwConvWgradPlan {
+  int vec = 1;                   // channels per thread
+  int tile = 4;                  // output pixels per strip
+  int block_x = 1, block_y = 1;  // threads: channel vectors x strips
+  int channel_tiles = 1;
+  int chunks = 1;
+  int64_t strips = 0;            // output strips: one thread's work unit
+  int64_t strips_per_chunk = 0;
+};
+
+struct DwConvWgradParams {
+  const void* grad_y = nullptr;  // (B, H, W, C)
+  const void* x = nullptr;       // (B, H, W, C)
+  float* partial = nullptr;      // (chunks, K*K + 1, C): taps then bias
+  float* out = nullptr;          // (K*K + 1, C)
+  int B = 0, H = 0, W = 0, C = 0, K = 0;
+  ScalarType dtype = ScalarType::Float;
+  DwConvWgradPlan plan;
+  cudaStream_t stream = nullptr;
+};
+
+DwConvWgradPlan dwconv_wgrad_plan(int B, int H, int W, int C, int K, ScalarType dtype, int tile, int vec);
+
+// Both return an empty string, or the CUDA error of the launch.
+std::string dwconv_forward_launch(const DwConvForwardParams& p);
+std::string dwconv_wgrad_launch(const DwConvWgradParams& p);
+
+}  // namespace gspn2

@@ -1,0 +1,239 @@
+"""Depthwise convolution on channels-last memory: ``conv(x) + bias [+ x] [then SiLU]`` as one custom op.
+
+cuDNN's depthwise kernels on channels_last bf16 tensors were the largest single cost of a GSPN-2 training
+step (docs/benchmarks.md, "Where a training step goes") and a third of a compiled inference step: every
+block runs three (two 3x3 local perception units on C channels and the mixer's 7x7 on its hidden width).
+:func:`depthwise_conv2d` computes the same function with gspn2's CUDA kernels (``gspn2/csrc/dwconv_kernel.cu``:
+forward, input gradient, weight and bias gradients; float32 weights and accumulation; deterministic) and
+optionally adds the input (the ``x + DWConv(x)`` residual) or applies SiLU in the same pass. Registered as
+``gspn2::depthwise_conv2d`` with a fake implementation and autograd, so ``torch.compile(fullgraph=True)``
+keeps it as one opaque call.
+
+Backend, per call, on CUDA tensors (``GSPN2_DWCONV``):
+
+* ``auto`` (default): the CUDA kernel for channels_last float32/float16/bfloat16 inputs with K = 3 when
+  the extension is built (the local perception units: there it measured 1.7-2.3x faster than cuDNN plus the
+  residual add in the forward, 0.8-1.7x its speed in the backward, and +7% eager inference, +4% compiled
+  training for gspn2_tiny; docs/benchmarks.md, "Session 7"); ``F.conv2d``
+  (cuDNN) otherwise, called directly so that ``torch.compile`` sees a plain convolution. The 5x5 and 7x7
+  kernels measured 0.8-1.1x cuDNN, so ``auto`` leaves those to cuDNN.
+* ``cuda``: the kernel for every K in {3, 5, 7}, and an error where it cannot run.
+* ``cudnn``: always ``F.conv2d`` / ``aten.convolution_backward`` (comparisons, debugging).
+
+The choice is made when the call is traced: under ``torch.compile``, set ``GSPN2_DWCONV`` before compiling.
+On CPU (and every other device) the op runs ``F.conv2d``.
+
+    >>> y = depthwise_conv2d(x, conv.weight, conv.bias, add_input=True)   # x + conv(x)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from gspn2.layers._amp import autocast_enabled
+
+__all__ = ["AUTO_KERNEL_SIZES", "DWCONV_ENV", "KERNEL_SIZES", "depthwise_conv2d", "dwconv_backend", "kernel_available"]
+
+#: Environment variable that selects the depthwise-convolution backend on CUDA tensors.
+DWCONV_ENV = "GSPN2_DWCONV"
+_CHOICES = ("auto", "cuda", "cudnn")
+#: Kernel sizes the CUDA kernel implements (gspn2/csrc/dwconv.h) ...
+KERNEL_SIZES = (3, 5, 7)
+#: ... and those ``GSPN2_DWCONV=auto`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
+AUTO_KERNEL_SIZES = (3,)
+
+try:
+    from gspn2 import _C
+except ImportError:  # the extension is not built (CPU-only install): F.conv2d on every device
+    _C = None
+
+
+def dwconv_backend() -> str:
+    """The backend requested by ``GSPN2_DWCONV`` (``auto``, ``cuda`` or ``cudnn``)."""
+    value = os.environ.get(DWCONV_ENV, "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"{DWCONV_ENV} must be one of {', '.join(_CHOICES)}; got {value!r}")
+    return value
+
+
+def kernel_available() -> bool:
+    """Whether gspn2's CUDA extension, which holds the kernel, is built."""
+    return _C is not None
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"`x` must be a (B, C, H, W) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    C = x.shape[1]
+    if weight.dim() != 4 or weight.shape[0] != C or weight.shape[1] != 1 or weight.shape[2] != weight.shape[3]:
+        raise ValueError(f"`weight` must be (C, 1, K, K) with C = {C} (x's channels), got {tuple(weight.shape)}")
+    if weight.shape[2] % 2 == 0:
+        raise ValueError(f"`weight` must have an odd kernel size ('same' padding K // 2), got K = {weight.shape[2]}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != C):
+        raise ValueError(f"`bias` must be (C,) with C = {C}, got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"`{name}` is on {t.device}, `x` on {x.device}")
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _use_kernel(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> bool:
+    choice = dwconv_backend()
+    if choice == "cudnn":
+        return False
+    reasons = []
+    if _C is None:
+        reasons.append("gspn2's CUDA extension is not built (pip install --no-build-isolation -e .)")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {x.dtype} (the kernel takes float32, float16, bfloat16)")
+    if weight.shape[-1] not in KERNEL_SIZES:
+        reasons.append(f"kernel size {weight.shape[-1]} (the kernel takes {KERNEL_SIZES})")
+    if not all(_channels_last(t) for t in (x, *others)):
+        reasons.append("an input without channels_last memory")
+    if reasons and choice == "cuda":
+        raise ValueError(f"{DWCONV_ENV}=cuda, but the depthwise kernel cannot run: {'; '.join(reasons)}")
+    return not reasons and (choice == "cuda" or weight.shape[-1] in AUTO_KERNEL_SIZES)
+
+
+def _checked(result):
+    value, error = result
+    if error:
+        raise ValueError(error)
+    return value
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return t.to(dtype) if t is not None else None
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``ref``'s strides (the fake implementations promise ``empty_like`` of the input)."""
+    return t if t.stride() == ref.stride() else torch.empty_like(ref).copy_(t)
+
+
+def _conv_reference(x, weight, bias, add_input, silu, match_strides=True):
+    y = F.conv2d(x, weight.to(x.dtype), _cast(bias, x.dtype), padding=weight.shape[-1] // 2, groups=x.shape[1])
+    if add_input:
+        y = y + x
+    if silu:
+        y = F.silu(y)
+    return _like(y, x) if match_strides else y
+
+
+@torch.library.custom_op("gspn2::depthwise_conv2d", mutates_args=())
+def _dwconv(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], add_input: bool, silu: bool
+) -> torch.Tensor:
+    return _conv_reference(x, weight, bias, add_input, silu)
+
+
+@_dwconv.register_kernel("cuda")
+def _dwconv_cuda(x, weight, bias, add_input, silu):
+    if not _use_kernel(x, weight):
+        return _conv_reference(x, weight, bias, add_input, silu)
+    return _checked(_C.dwconv_forward(x, weight, bias, add_input, silu))
+
+
+@_dwconv.register_fake
+def _dwconv_fake(x, weight, bias, add_input, silu):
+    return torch.empty_like(x)  # same shape, dtype and strides
+
+
+def _backward_reference(grad_y, x, weight, has_bias, add_input):
+    K = weight.shape[-1]
+    grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+        grad_y, x, weight.to(x.dtype), [x.shape[1]] if has_bias else None, [1, 1], [K // 2, K // 2], [1, 1],
+        False, [0, 0], x.shape[1], [True, True, has_bias],
+    )
+    if add_input:
+        grad_x = grad_x + grad_y
+    grad_b = grad_b.to(weight.dtype) if has_bias else weight.new_zeros(weight.shape[0])
+    return _like(grad_x, x), grad_w.to(weight.dtype).contiguous(), grad_b
+
+
+@torch.library.custom_op("gspn2::depthwise_conv2d_backward", mutates_args=())
+def _dwconv_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, add_input: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_reference(grad_y, x, weight, has_bias, add_input)
+
+
+@_dwconv_backward.register_kernel("cuda")
+def _dwconv_backward_cuda(grad_y, x, weight, has_bias, add_input):
+    if not _use_kernel(x, weight, grad_y):
+        return _backward_reference(grad_y, x, weight, has_bias, add_input)
+    grad_x, grad_w, grad_b = _checked(_C.dwconv_backward(grad_y, x, weight, add_input, True, True))
+    grad_b = grad_b.to(weight.dtype) if has_bias else weight.new_zeros(weight.shape[0])
+    return grad_x, grad_w.to(weight.dtype).contiguous(), grad_b
+
+
+@_dwconv_backward.register_fake
+def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input):
+    return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format), weight.new_empty(weight.shape[0])
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, add_input, silu = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+    ctx.add_input = add_input
+    ctx.silu = silu
+
+
+def _backward(ctx, grad_y):
+    if ctx.silu:
+        raise RuntimeError(
+            "gspn2::depthwise_conv2d with silu=True has no backward; depthwise_conv2d(..., silu=True) applies "
+            "SiLU separately whenever autograd records"
+        )
+    x, weight = ctx.saved_tensors
+    grad_x, grad_w, grad_b = torch.ops.gspn2.depthwise_conv2d_backward(
+        grad_y.contiguous(memory_format=torch.channels_last) if _channels_last(x) else grad_y.contiguous(),
+        x, weight, ctx.has_bias, ctx.add_input,
+    )
+    return grad_x, grad_w, grad_b if ctx.has_bias else None, None, None
+
+
+_dwconv.register_autograd(_backward, setup_context=_setup_context)
+
+
+def depthwise_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    add_input: bool = False,
+    silu: bool = False,
+) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, padding=K // 2, groups=C)``, plus ``x`` if ``add_input``, then SiLU if ``silu``.
+
+    Args:
+        x: ``(B, C, H, W)``; channels_last memory takes the CUDA kernel on CUDA tensors.
+        weight: ``(C, 1, K, K)``, K odd (an ``nn.Conv2d(C, C, K, padding=K // 2, groups=C)``'s weight).
+        bias: ``(C,)`` or None.
+        add_input: Return ``x + conv(x)`` in one pass (its gradient adds ``grad_y`` to ``grad_x``).
+        silu: Apply SiLU to the result: in the same pass when autograd does not record (inference), as a
+            separate ``F.silu`` when it does (the fused op keeps no pre-activation for backward).
+
+    Under autocast ``x`` is cast to the autocast dtype, as ``F.conv2d`` would be; the kernel reads the
+    weight and bias in float32 and accumulates in float32. Returns ``x``'s dtype and strides.
+    """
+    _check(x, weight, bias)
+    if autocast_enabled(x.device.type):
+        cast = x.to(torch.get_autocast_dtype(x.device.type))
+        if add_input and cast.dtype != x.dtype:  # x + conv(x) promotes to x's dtype, as in eager
+            y = x + _dwconv(cast, weight, bias, False, False)
+            return F.silu(y) if silu else y
+        x = cast
+    if x.is_cuda and not _use_kernel(x, weight):  # cuDNN: plain ops, which torch.compile can fuse around
+        return _conv_reference(x, weight, bias, add_input, silu, match_strides=False)
+    records = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if silu and records:
+        return F.silu(_dwconv(x, weight, bias, add_input, False))
+    return _dwconv(x, weight, bias, add_input, silu)

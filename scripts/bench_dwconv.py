@@ -1,0 +1,120 @@
+"""Depthwise convolution: gspn2's CUDA kernel against cuDNN, on the GSPN-2 models' shapes.
+
+    python scripts/bench_dwconv.py                       # gspn2_tiny's shapes, bf16, channels_last
+    python scripts/bench_dwconv.py --batch 256 --variants t4v8 t4v4 --json docs/bench/bench_dwconv.json
+
+For each (channels, resolution, kernel) of ``--model`` (the two 3x3 local perception units on C channels
+and the mixer's 7x7 on its hidden width, per stage at 224^2 input): forward (``x + conv(x)`` for the 3x3,
+``conv(x)`` for the 7x7, as the blocks call them) and backward (input, weight and bias gradients), CUDA
+events, median of ``--iters``; cuDNN through ``F.conv2d`` / ``aten.convolution_backward`` on the same
+tensors (``GSPN2_DWCONV=cudnn`` in the same process), and each kernel variant asked for (``--variants``). Also the largest error of each against a float32 cuDNN run.
+Needs a CUDA GPU and the built extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import timm
+import torch
+
+import gspn2  # noqa: F401  (registers the models)
+from gspn2.benchmark import median_ms
+from gspn2.layers.dwconv import depthwise_conv2d, kernel_available
+
+
+def model_shapes(name: str, resolution: int) -> list[tuple[int, int, int, bool]]:
+    """(channels, side, kernel, add_input) of every distinct depthwise convolution in a block of each stage."""
+    model = timm.create_model(name)
+    shapes = []
+    side = resolution // 4
+    for i, stage in enumerate(model.stages):
+        if i > 0:
+            side = (side - 2) // 2 + 1
+        block = stage.blocks[0]
+        lpu = block.lpu1.conv
+        shapes.append((lpu.in_channels, side, lpu.kernel_size[0], True))
+        dw = block.mixer.conv_dw
+        shapes.append((dw.in_channels, side, dw.kernel_size[0], False))
+    return shapes
+
+
+def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
+             variant: str = "") -> dict:
+    """``variant``: ``t<tile>v<vec>`` (GSPN2_DWCONV_TILE, GSPN2_DWCONV_VEC), or "" for the defaults."""
+    os.environ["GSPN2_DWCONV"] = backend
+    os.environ["GSPN2_DWCONV_TILE"] = variant[1] if variant else ""
+    os.environ["GSPN2_DWCONV_VEC"] = variant[3] if variant else ""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(batch, C, side, side, device="cuda", generator=g).to(dtype, memory_format=torch.channels_last)
+    w = torch.randn(C, 1, K, K, device="cuda", generator=g) * 0.1
+    b = torch.randn(C, device="cuda", generator=g)
+    xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    gy = torch.randn_like(x)
+    fwd = median_ms(lambda: depthwise_conv2d(x, w, b, add), 3, iters)
+    y = depthwise_conv2d(xg, wg, bg, add)
+    bwd = median_ms(lambda: torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True), 3, iters)
+    grads = torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True)
+    # float32 cuDNN on the same values: the error of this backend's low-precision run
+    os.environ["GSPN2_DWCONV"] = "cudnn"
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, b))
+    y32 = depthwise_conv2d(x32, w32, b32, add)
+    g32 = torch.autograd.grad(y32, (x32, w32, b32), gy.float())
+    rel = lambda a, r: ((a.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()  # noqa: E731
+    err = max(rel(y, y32.detach()), *(rel(a, r) for a, r in zip(grads, g32)))
+    return dict(backend=backend, variant=variant or "-", C=C, side=side, K=K, add_input=add, batch=batch, fwd_ms=fwd, bwd_ms=bwd, max_rel_err=err)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gspn2_tiny")
+    ap.add_argument("--resolution", type=int, default=224)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--variants", nargs="+", default=[""], choices=["", "t4v8", "t4v4", "t8v4", "t8v8"],
+                    help="kernel variants to time: t<tile>v<vec> (output pixels and 16-bit channels per thread; "
+                         "'' = the defaults)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_dwconv.py needs a CUDA GPU")
+    if not kernel_available():
+        raise SystemExit("bench_dwconv.py needs gspn2's CUDA extension: pip install --no-build-isolation -e .")
+    if not timm.is_model(args.model):
+        raise SystemExit(f"--model: unknown timm model {args.model!r}")
+    torch.backends.cudnn.benchmark = True
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, channels_last, batch {args.batch}")
+    variants = [("cuda", v) for v in args.variants]
+    head = " ".join(f"{v or 'default':>9s}" for _, v in variants)
+    print(f"{'C':>5s} {'side':>5s} {'K':>2s} {'+x':>3s} | fwd ms: {'cuDNN':>7s} {head} | bwd ms: {'cuDNN':>7s} {head} | max err cuDNN / ours")
+    tot = {v: [0.0, 0.0] for v in [("cudnn", "")] + variants}
+    for C, side, K, add in model_shapes(args.model, args.resolution):
+        res = {v: run_case(C, side, K, add, args.batch, dtype, args.iters, *v) for v in tot}
+        rows += list(res.values())
+        for v, r in res.items():
+            tot[v][0] += r["fwd_ms"]
+            tot[v][1] += r["bwd_ms"]
+        c = res[("cudnn", "")]
+        fw = " ".join(f"{res[v]['fwd_ms']:9.3f}" for v in variants)
+        bw = " ".join(f"{res[v]['bwd_ms']:9.3f}" for v in variants)
+        err = max(res[v]["max_rel_err"] for v in variants)
+        print(f"{C:5d} {side:5d} {K:2d} {'y' if add else 'n':>3s} | fwd ms: {c['fwd_ms']:7.3f} {fw} | "
+              f"bwd ms: {c['bwd_ms']:7.3f} {bw} | {c['max_rel_err']:.1e} / {err:.1e}")
+    c = tot[("cudnn", "")]
+    for v in variants:
+        f, b = tot[v]
+        print(f"sum (one block per stage), {v[1] or 'default'}: forward {c[0]:.3f} -> {f:.3f} ms ({c[0] / f:.2f}x), "
+              f"backward {c[1]:.3f} -> {b:.3f} ms ({c[1] / b:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype,
+                           batch=args.batch, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

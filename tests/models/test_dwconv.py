@@ -1,0 +1,268 @@
+"""``gspn2.layers.depthwise_conv2d``: the op against ``F.conv2d`` (CPU, float64 gradcheck, opcheck), the fused
+SiLU, argument errors, the backend switch and the MAC count; on a GPU the CUDA kernel against cuDNN (fp32,
+bf16, fp16, both tiles, the scalar path), determinism, ``torch.compile(fullgraph=True)`` and the model's
+fast path against its reference path."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import gspn2  # noqa: F401
+from gspn2.layers import depthwise_conv2d
+from gspn2.layers import dwconv as D
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def _reference(x, w, b, add, silu=False):
+    y = F.conv2d(x, w, b, padding=w.shape[-1] // 2, groups=x.shape[1])
+    y = y + x if add else y
+    return F.silu(y) if silu else y
+
+
+@pytest.mark.parametrize("K,add,bias", [(3, True, True), (7, False, True), (5, True, False), (9, False, True)])
+def test_cpu_matches_conv2d_and_gradcheck(K, add, bias):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 1, K, K, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True) if bias else None
+    torch.testing.assert_close(depthwise_conv2d(x, w, b, add), _reference(x, w, b, add))
+    inputs = (x, w, b) if bias else (x, w)
+    assert torch.autograd.gradcheck(lambda *t: depthwise_conv2d(t[0], t[1], t[2] if bias else None, add), inputs)
+
+
+def test_silu_fused_in_inference_separate_under_autograd():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 7, 6, dtype=torch.float64)
+    w, b = torch.randn(4, 1, 3, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(depthwise_conv2d(x, w, b, silu=True), _reference(x, w, b, False, True))
+    xr = x.clone().requires_grad_()
+    y = depthwise_conv2d(xr, w, b, add_input=True, silu=True)
+    torch.testing.assert_close(y, _reference(x, w, b, True, True))
+    assert torch.autograd.gradcheck(lambda t: depthwise_conv2d(t, w, b, True, True), (xr,))
+
+
+def test_fused_silu_op_refuses_backward():
+    x = torch.randn(1, 2, 4, 4, requires_grad=True)
+    w = torch.randn(2, 1, 3, 3)
+    y = torch.ops.gspn2.depthwise_conv2d(x, w, None, False, True)
+    with pytest.raises(RuntimeError, match="silu=True has no backward"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_opcheck(channels_last):
+    x = torch.randn(2, 4, 5, 7)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = torch.randn(4, 1, 3, 3, requires_grad=True), torch.randn(4, requires_grad=True)
+    torch.library.opcheck(torch.ops.gspn2.depthwise_conv2d.default, (x.requires_grad_(), w, b, True, False))
+
+
+def test_autocast_keeps_the_residual_dtype():
+    # x + conv(x) under autocast promotes to x's dtype in the reference; so must the fused op.
+    x = torch.randn(1, 4, 5, 5)
+    w, b = torch.randn(4, 1, 3, 3), torch.randn(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = depthwise_conv2d(x, w, b, add_input=True)
+        ref = x + F.conv2d(x, w, b, padding=1, groups=4)
+        y_plain = depthwise_conv2d(x, w, b)
+    assert y.dtype == ref.dtype == torch.float32 and y_plain.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(x=torch.randn(4, 5, 5)), "`x` must be"),
+        (dict(w=torch.randn(4, 1, 3, 2)), "`weight` must be"),
+        (dict(w=torch.randn(3, 1, 3, 3)), "`weight` must be"),
+        (dict(w=torch.randn(4, 1, 4, 4)), "odd kernel"),
+        (dict(b=torch.randn(5)), "`bias` must be"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, match):
+    args = dict(x=torch.randn(1, 4, 5, 5), w=torch.randn(4, 1, 3, 3), b=torch.randn(4))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        depthwise_conv2d(args["x"], args["w"], args["b"])
+
+
+def test_backend_switch_is_validated(monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV", "fast")
+    with pytest.raises(ValueError, match="GSPN2_DWCONV"):
+        D.dwconv_backend()
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_kernel_env_is_validated(monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+    x, w, b = _cuda_case(1, 8, 5, 5, 3, torch.float32)
+    for name, value in (("GSPN2_DWCONV_VEC", "2"), ("GSPN2_DWCONV_TILE", "5")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            with pytest.raises(ValueError, match=name):
+                depthwise_conv2d(x, w, b)
+
+
+def test_forced_kernel_explains_why_it_cannot_run(monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+    x = torch.randn(1, 4, 5, 5)  # NCHW memory, K = 9
+    with pytest.raises(ValueError, match="channels_last.*|kernel size 9"):
+        D._use_kernel(x, torch.randn(4, 1, 9, 9))
+
+
+def test_auto_gives_the_kernel_the_3x3_only(monkeypatch):
+    monkeypatch.delenv("GSPN2_DWCONV", raising=False)
+    x = torch.randn(1, 4, 5, 5).to(memory_format=torch.channels_last)
+    assert D._use_kernel(x, torch.randn(4, 1, 3, 3)) == D.kernel_available()
+    assert not D._use_kernel(x, torch.randn(4, 1, 7, 7))  # measured on par with cuDNN: cuDNN
+    assert not D._use_kernel(x.contiguous(), torch.randn(4, 1, 3, 3))  # NCHW memory
+    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+    assert D._use_kernel(x, torch.randn(4, 1, 7, 7)) == D.kernel_available()
+
+
+def test_mac_count_unchanged_by_the_fused_op():
+    pytest.importorskip("fvcore")
+    from gspn2.counting import count_model
+
+    model = timm.create_model("gspn2_micro")
+    fast = count_model(model, input_size=(3, 64, 64))
+    model.set_fast_path(False)
+    ref = count_model(model, input_size=(3, 64, 64))
+    assert fast.macs == ref.macs and not fast.unsupported_ops.get("depthwise_conv2d")
+    assert fast.by_operator.get("depthwise_conv2d", 0) > 0
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+def _cuda_case(N, C, H, W, K, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(N, C, H, W, device="cuda", generator=g).to(dtype, memory_format=torch.channels_last)
+    w = torch.randn(C, 1, K, K, device="cuda", generator=g) * 0.2
+    b = torch.randn(C, device="cuda", generator=g)
+    return x, w, b
+
+
+def _grads(backend, x, w, b, add, gy, monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV", backend)
+    xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = depthwise_conv2d(xs, ws, bs, add)
+    return (y, *torch.autograd.grad(y, (xs, ws, bs), gy))
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_extension_has_the_kernel():
+    assert D.kernel_available() and hasattr(D._C, "dwconv_forward")
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t8v8", "t8v4"])
+@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
+                                   (2, 17, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 6, 3, 1, 7, False)])
+def test_cuda_kernel_matches_cudnn_fp32(shape, variant, monkeypatch):
+    N, C, H, W, K, add = shape
+    monkeypatch.setenv("GSPN2_DWCONV_TILE", variant[1])
+    monkeypatch.setenv("GSPN2_DWCONV_VEC", variant[3])
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        x, w, b = _cuda_case(N, C, H, W, K, torch.float32)
+        gy = torch.randn_like(x)
+        ref = _grads("cudnn", x, w, b, add, gy, monkeypatch)
+        out = _grads("cuda", x, w, b, add, gy, monkeypatch)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    for name, o, r in zip(("y", "grad_x", "grad_w", "grad_b"), out, ref):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4 * r.abs().max().item(), msg=name)
+    assert out[0].is_contiguous(memory_format=torch.channels_last)
+    assert out[1].is_contiguous(memory_format=torch.channels_last)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("C,K", [(120, 7), (26, 7), (80, 3), (20, 5)])  # 8 or 4 channels, 1, 4 channels
+@pytest.mark.parametrize("vec", ["8", "4"])
+def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, vec, monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV_VEC", vec)
+    x, w, b = _cuda_case(4, C, 28, 28, K, dtype)
+    gy = torch.randn_like(x)
+    exact = _grads("cudnn", x.double(), w.double(), b.double(), False, gy.double(), monkeypatch)
+    errs = {}
+    for backend in ("cudnn", "cuda"):
+        errs[backend] = [((o.double() - e).abs().max() / e.abs().max()).item()
+                         for o, e in zip(_grads(backend, x, w, b, False, gy, monkeypatch), exact)]
+    # float32 weights and accumulation: at most the cuDNN 16-bit error (x2 margin), every output
+    assert all(t <= 2 * c + 1e-3 for t, c in zip(errs["cuda"], errs["cudnn"])), errs
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_silu_fused_forward(monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+    x, w, b = _cuda_case(2, 48, 20, 19, 7, torch.float32)
+    with torch.no_grad():
+        y = depthwise_conv2d(x, w, b, silu=True)
+    torch.testing.assert_close(y, F.silu(depthwise_conv2d(x, w, b)), rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("vec", ["8", "4"])
+def test_cuda_deterministic(vec, monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV_VEC", vec)
+    x, w, b = _cuda_case(8, 160, 28, 28, 7, torch.bfloat16)
+    gy = torch.randn_like(x)
+    a = _grads("cuda", x, w, b, True, gy, monkeypatch)
+    c = _grads("cuda", x, w, b, True, gy, monkeypatch)
+    assert all(torch.equal(p, q) for p, q in zip(a, c))
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_compile_fullgraph(monkeypatch):
+    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+    x, w, b = _cuda_case(2, 32, 14, 14, 3, torch.bfloat16)
+    x.requires_grad_()
+    fn = torch.compile(lambda x: depthwise_conv2d(x, w, b, True).float().square().sum(), fullgraph=True)
+    (g,) = torch.autograd.grad(fn(x), x)
+    (ref,) = torch.autograd.grad(depthwise_conv2d(x, w, b, True).float().square().sum(), x)
+    torch.testing.assert_close(g, ref)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_model_fast_path_matches_reference_path():
+    """gspn2_micro on CUDA, float32 channels_last: the fast path (CUDA depthwise kernels, fused LPU and SiLU)
+    against the module-by-module reference path, outputs and every parameter gradient."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        model = timm.create_model("gspn2_micro", num_classes=10).cuda().to(memory_format=torch.channels_last)
+        x = torch.randn(4, 3, 64, 48, device="cuda").to(memory_format=torch.channels_last)
+        results = []
+        for fast in (True, False):
+            model.set_fast_path(fast)
+            model.zero_grad()
+            out = model(x)
+            out.square().sum().backward()
+            results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            with torch.no_grad():
+                results[-1] += (model(x),)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    (out_f, grads_f, inf_f), (out_r, grads_r, inf_r) = results
+    torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(inf_f, inf_r, rtol=1e-4, atol=1e-4)
+    for n in grads_r:
+        torch.testing.assert_close(grads_f[n], grads_r[n], rtol=1e-3, atol=1e-3 * grads_r[n].abs().max().item(), msg=n)
