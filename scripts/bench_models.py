@@ -153,6 +153,13 @@ def _gspn2_backend() -> str:
     return f"GSPN2_BACKEND={_cuda.backend()}, GSPN2_KERNEL={_cuda.kernel_family()}, GSPN2_DWCONV={dwconv_backend()}, extension {built}"
 
 
+def save_json(path: str | None, env: dict, args: argparse.Namespace, results: list[Result]) -> None:
+    """Write everything measured so far (after every result, so a run cut short keeps its figures)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"env": env, "args": vars(args), "results": [asdict(r) for r in results]}, f, indent=1)
+
+
 def to_markdown(results: list[Result], env: dict) -> str:
     lines = [
         f"GPU {env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), timm {env['timm']}, "
@@ -189,21 +196,70 @@ def ratios(results: list[Result], ours: str, peers: list[str]) -> list[str]:
 
 
 def plot(results: list[Result], path: str) -> None:
+    """Bar chart: one panel per (task, resolution), one bar per model and mode (GSPN-2 in red)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
-    rows = [r for r in results if not r.error and r.resolution == 224 and r.mode == "eager"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, task in zip(axes, ("infer", "train")):
-        sel = [r for r in rows if r.task == task]
-        ax.barh([r.model for r in sel], [r.img_per_s for r in sel],
-                color=["tab:red" if r.model.startswith("gspn2") else "tab:gray" for r in sel])
-        ax.set_xlabel("img/s (224^2, bf16, eager)")
-        ax.set_title(task)
-    fig.tight_layout()
+    rows = [r for r in results if not r.error and r.img_per_s]
+    panels = sorted({(r.task, r.resolution) for r in rows}, key=lambda p: (p[0] != "infer", p[1]))
+    if not panels:
+        raise ValueError("nothing to plot: no successful results")
+    models = list(dict.fromkeys(r.model for r in rows))
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    hatches = {m: h for m, h in zip(modes, ("", "//", "..", "xx"))}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 2, 0.45 * len(models) * len(modes) + 1.5),
+                             squeeze=False)
+    height = 0.8 / len(modes)
+    for i, (ax, (task, res)) in enumerate(zip(axes[0], panels)):
+        for k, mode in enumerate(modes):
+            for y, model in enumerate(models):
+                r = next((r for r in rows if (r.model, r.task, r.mode, r.resolution) == (model, task, mode, res)), None)
+                if r is None:
+                    continue
+                ax.barh(y + (k - (len(modes) - 1) / 2) * height, r.img_per_s, height=height, hatch=hatches[mode],
+                        color="tab:red" if model.startswith("gspn2") else "tab:gray", edgecolor="black",
+                        linewidth=0.4)
+        ax.set_yticks(range(len(models)))
+        ax.set_yticklabels(models if i == 0 else [""] * len(models))
+        ax.invert_yaxis()
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.set_xlabel("img/s (bf16, channels_last)")
+        ax.set_title(f"{task} {res}^2")
+    handles = [Patch(facecolor="white", edgecolor="black", hatch=hatches[m], label=m) for m in modes]
+    fig.legend(handles=handles, loc="upper right", ncol=len(modes), fontsize="small")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_json(path: str) -> tuple[dict, list[Result]]:
+    """The environment and results of a ``--json`` file of an earlier run."""
+    with open(path) as f:
+        data = json.load(f)
+    return data["env"], [Result(**r) for r in data["results"]]
+
+
+def report(results: list[Result], env: dict, args: argparse.Namespace) -> None:
+    """Print the table and the ratios; write --md and --plot when asked."""
+    table = to_markdown(results, env)
+    lines = []
+    for ours, peers in (
+        ("gspn2_tiny", ["swin_tiny_patch4_window7_224", "convnext_tiny", "mambaout_tiny", "deit_small_patch16_224"]),
+        ("gspn2_small", ["swin_small_patch4_window7_224", "convnext_small"]),
+        ("gspn2_base", ["swin_base_patch4_window7_224", "convnext_base"]),
+    ):
+        lines += ratios(results, ours, peers)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+    print(table)
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -222,7 +278,14 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--md", default=None, help="write the markdown table here")
     parser.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
+    parser.add_argument("--from-json", default=None, metavar="PATH",
+                        help="render --md / --plot from the --json file of an earlier run instead of measuring "
+                        "(no GPU needed)")
     args = parser.parse_args()
+    if args.from_json:
+        env, results = load_json(args.from_json)
+        report(results, env, args)
+        return
     try:
         aot = aot_config(args.aot_config)
     except ValueError as exc:
@@ -245,32 +308,17 @@ def main() -> None:
                 for res in args.infer_resolutions:
                     r = run_one(bench_infer, name, mode, res, INFER_BATCH.get(res, 8), args.warmup, args.iters)
                     results.append(r)
+                    save_json(args.json, env, args, results)
                     print(f"{name:32s} infer {mode:7s} {res:5d}: "
                           f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
                 for res in args.train_resolutions:
                     r = run_one(bench_train, name, mode, res, args.train_batch, args.warmup, args.iters)
                     results.append(r)
+                    save_json(args.json, env, args, results)
                     print(f"{name:32s} train {mode:7s} {res:5d}: "
                           f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
 
-    table = to_markdown(results, env)
-    lines = []
-    for ours, peers in (
-        ("gspn2_tiny", ["swin_tiny_patch4_window7_224", "convnext_tiny", "mambaout_tiny", "deit_small_patch16_224"]),
-        ("gspn2_small", ["swin_small_patch4_window7_224", "convnext_small"]),
-        ("gspn2_base", ["swin_base_patch4_window7_224", "convnext_base"]),
-    ):
-        lines += ratios(results, ours, peers)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "args": vars(args), "results": [asdict(r) for r in results]}, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table + "\n" + "\n".join(f"- {line}" for line in lines) + "\n")
-    if args.plot:
-        plot(results, args.plot)
-    print(table)
-    print("\n".join(lines))
+    report(results, env, args)
 
 
 if __name__ == "__main__":
