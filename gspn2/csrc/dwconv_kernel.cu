@@ -291,7 +291,7 @@ void launch_row_wgrad(const DwConvWgradParams& p) {
 template <typename T, template <typename, int, int> class F, typename Params>
 void dispatch(const Params& p, int vec, int tile) {
   constexpr int kWide = 16 / sizeof(T);
-  const int v = row_vector_width(p.C, sizeof(T) == 4 ? ScalarType::Float : ScalarType::Half, vec);
+  const int v = row_vector_width(p.C, p.dtype, vec);
   if (v == kWide) {
     if (tile == 4) F<T, kWide, 4>::run(p); else F<T, kWide, 8>::run(p);
   } else if (v == 4) {

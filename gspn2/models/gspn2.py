@@ -28,7 +28,8 @@ channels, ``K = affinity_groups``::
 Speed (``fast_path=True``, the default; ``docs/models.md``, "Speed"): with channels_last memory every 1x1
 convolution is a GEMM on the contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the
 activation dtype under autocast, and two autograd functions recompute GELU and the SiLU gate in backward
-instead of saving them. ``fast_path=False`` computes the same function module by module, as first
+instead of saving them; the local perception units are one ``gspn2.layers.depthwise_conv2d`` each (the
+residual added in the kernel). ``fast_path=False`` computes the same function module by module, as first
 written: the reference of ``tests/models/test_fast_block.py``. Parameters and state dicts are identical.
 """
 
