@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from gspn2.layers._amp import autocast_enabled
+from gspn2.layers.pointwise import _cast
+from gspn2.ops._cuda import _C, _checked  # the compiled extension (None when not built) and its error protocol
 
 __all__ = ["AUTO_KERNEL_SIZES", "DWCONV_ENV", "KERNEL_SIZES", "depthwise_conv2d", "dwconv_backend", "kernel_available"]
 
@@ -45,12 +47,6 @@ _CHOICES = ("auto", "cuda", "cudnn")
 KERNEL_SIZES = (3, 5, 7)
 #: ... and those ``GSPN2_DWCONV=auto`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
 AUTO_KERNEL_SIZES = (3,)
-
-try:
-    from gspn2 import _C
-except ImportError:  # the extension is not built (CPU-only install): F.conv2d on every device
-    _C = None
-
 
 def dwconv_backend() -> str:
     """The backend requested by ``GSPN2_DWCONV`` (``auto``, ``cuda`` or ``cudnn``)."""
@@ -100,17 +96,6 @@ def _use_kernel(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) ->
     if reasons and choice == "cuda":
         raise ValueError(f"{DWCONV_ENV}=cuda, but the depthwise kernel cannot run: {'; '.join(reasons)}")
     return not reasons and (choice == "cuda" or weight.shape[-1] in AUTO_KERNEL_SIZES)
-
-
-def _checked(result):
-    value, error = result
-    if error:
-        raise ValueError(error)
-    return value
-
-
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return t.to(dtype) if t is not None else None
 
 
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
