@@ -28,7 +28,6 @@ On CPU (and every other device) the op runs ``F.conv2d``.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 
 from gspn2.layers._amp import autocast_enabled
 from gspn2.layers.pointwise import _cast
-from gspn2.ops._cuda import _C, _checked  # the compiled extension (None when not built) and its error protocol
+from gspn2.ops._cuda import _C, _checked, env_choice  # the extension (None when not built), its error protocol
 
 __all__ = ["AUTO_KERNEL_SIZES", "DWCONV_ENV", "KERNEL_SIZES", "depthwise_conv2d", "dwconv_backend", "kernel_available"]
 
@@ -50,10 +49,7 @@ AUTO_KERNEL_SIZES = (3,)
 
 def dwconv_backend() -> str:
     """The backend requested by ``GSPN2_DWCONV`` (``auto``, ``cuda`` or ``cudnn``)."""
-    value = os.environ.get(DWCONV_ENV, "auto").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise ValueError(f"{DWCONV_ENV} must be one of {', '.join(_CHOICES)}; got {value!r}")
-    return value
+    return env_choice(DWCONV_ENV, _CHOICES)
 
 
 def kernel_available() -> bool:

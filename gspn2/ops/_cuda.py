@@ -79,20 +79,23 @@ def extension_error() -> Optional[ImportError]:
     return _IMPORT_ERROR
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of the environment variable ``name`` (case and spaces ignored; unset or empty -> ``auto``),
+    which must be one of ``choices``."""
+    value = os.environ.get(name, "auto").strip().lower() or "auto"
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
 def backend() -> str:
     """The backend requested for CUDA tensors by ``GSPN2_BACKEND`` (``auto``, ``cuda`` or ``reference``)."""
-    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if value not in _BACKENDS:
-        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(_BACKENDS)}; got {value!r}")
-    return value
+    return env_choice(BACKEND_ENV, _BACKENDS)
 
 
 def kernel_family() -> str:
     """The kernel family requested by ``GSPN2_KERNEL`` (``auto``, ``fast``, ``general`` or ``cluster``)."""
-    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if value not in _KERNELS:
-        raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(_KERNELS)}; got {value!r}")
-    return value
+    return env_choice(KERNEL_ENV, _KERNELS)
 
 
 def _check_kernel_env(H: int, W: int) -> None:
