@@ -7,6 +7,8 @@ extension when nvcc is found: ``$CUDA_HOME/bin/nvcc``, else ``/usr/local/cuda/bi
 * ``GSPN2_BUILD_CUDA=0``: skip the extension (the pure-PyTorch reference still works everywhere).
 * ``TORCH_CUDA_ARCH_LIST``: target architectures, default ``"8.0;9.0"`` (A100, H100/H200).
 * ``MAX_JOBS``: parallel compile jobs (ninja).
+* ``GSPN2_ABLATE``: profiling builds only, bits that skip parts of the propagation kernels (results are
+  wrong; gspn2/csrc/propagate.h, ``PropagateParams::ablate``). Unset for every real build.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def _extensions() -> tuple[list, dict]:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
+    ablate = os.environ.get("GSPN2_ABLATE", "").strip()
+    if ablate and not ablate.isdigit():
+        raise SystemExit(f"GSPN2_ABLATE must be a non-negative integer (profiling builds), got {ablate!r}")
+    defines = [f"-DGSPN2_ABLATE={int(ablate)}"] if ablate else []
     print(f"gspn2: building the CUDA extension with {home}/bin/nvcc for {os.environ['TORCH_CUDA_ARCH_LIST']}")
     ext = CUDAExtension(
         name="gspn2._C",
@@ -66,7 +72,7 @@ def _extensions() -> tuple[list, dict]:
         ],
         include_dirs=[os.path.abspath(CSRC)],
         extra_compile_args={
-            "cxx": ["-O3"],
+            "cxx": ["-O3", *defines],
             "nvcc": ["-O3", "-lineinfo", "--threads=2"],
         },
     )

@@ -7,7 +7,7 @@ For each (channels, resolution, kernel) of ``--model`` (the two 3x3 local percep
 and the mixer's 7x7 on its hidden width, per stage at 224^2 input): forward (``x + conv(x)`` for the 3x3,
 ``conv(x)`` for the 7x7, as the blocks call them) and backward (input, weight and bias gradients), CUDA
 events, median of ``--iters``; cuDNN through ``F.conv2d`` / ``aten.convolution_backward`` on the same
-tensors (``GSPN2_DWCONV=cudnn`` in the same process), and each kernel variant asked for (``--variants``). Also the largest error of each against a float32 cuDNN run.
+tensors (the option ``dwconv="cudnn"`` in the same process), and each kernel variant asked for (``--variants``). Also the largest error of each against a float32 cuDNN run.
 Needs a CUDA GPU and the built extension.
 """
 
@@ -22,7 +22,8 @@ import torch
 
 import gspn2  # noqa: F401  (registers the models)
 from gspn2.benchmark import median_ms
-from gspn2.layers.dwconv import depthwise_conv2d, kernel_available
+from gspn2.ops import depthwise_conv2d, options
+from gspn2.ops.dwconv import kernel_available
 
 
 def model_shapes(name: str, resolution: int) -> list[tuple[int, int, int, bool]]:
@@ -43,10 +44,13 @@ def model_shapes(name: str, resolution: int) -> list[tuple[int, int, int, bool]]
 
 def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
              variant: str = "") -> dict:
-    """``variant``: ``t<tile>v<vec>`` (GSPN2_DWCONV_TILE, GSPN2_DWCONV_VEC), or "" for the defaults."""
-    os.environ["GSPN2_DWCONV"] = backend
-    os.environ["GSPN2_DWCONV_TILE"] = variant[1] if variant else ""
-    os.environ["GSPN2_DWCONV_VEC"] = variant[3] if variant else ""
+    """``variant``: ``t<tile>v<vec>`` (the options ``dwconv_tile``, ``dwconv_vec``), or "" for the defaults."""
+    defaults = options.Options()
+    options.set_options(
+        dwconv=backend,
+        dwconv_tile=int(variant[1]) if variant else defaults.dwconv_tile,
+        dwconv_vec=int(variant[3]) if variant else defaults.dwconv_vec,
+    )
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, C, side, side, device="cuda", generator=g).to(dtype, memory_format=torch.channels_last)
     w = torch.randn(C, 1, K, K, device="cuda", generator=g) * 0.1
@@ -58,7 +62,7 @@ def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtyp
     bwd = median_ms(lambda: torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True), 3, iters)
     grads = torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True)
     # float32 cuDNN on the same values: the error of this backend's low-precision run
-    os.environ["GSPN2_DWCONV"] = "cudnn"
+    options.set_options(dwconv="cudnn")
     x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, b))
     y32 = depthwise_conv2d(x32, w32, b32, add)
     g32 = torch.autograd.grad(y32, (x32, w32, b32), gy.float())

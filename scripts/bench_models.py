@@ -146,11 +146,9 @@ def environment() -> dict:
 
 
 def _gspn2_backend() -> str:
-    from gspn2.layers.dwconv import dwconv_backend
     from gspn2.ops import _cuda
 
-    built = "built" if _cuda.extension_available() else "not built"
-    return f"GSPN2_BACKEND={_cuda.backend()}, GSPN2_KERNEL={_cuda.kernel_family()}, GSPN2_DWCONV={dwconv_backend()}, extension {built}"
+    return _cuda.describe()
 
 
 def save_json(path: str | None, env: dict, args: argparse.Namespace, results: list[Result]) -> None:

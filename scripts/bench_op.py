@@ -3,11 +3,12 @@
     python scripts/bench_op.py --out-dir docs/bench            # everything (about a minute on an H200)
     python scripts/bench_op.py --quick                          # the headline shapes only
     python scripts/bench_op.py --cluster-choice                 # streaming vs cluster kernels, bf16 and fp32
+    python scripts/bench_op.py --host-overhead                  # host cost of one op call, tiny inputs
 
 For every shape: forward and backward time of the kernels the op picks (the streaming kernels for
 lines of up to 1024 pixels, with the cluster kernels for the horizontal directions of the float32 forward
-on tall images and of the backward on large problems; the general ones beyond) and, side by side, of the general kernels (``GSPN2_KERNEL=general``)
-where both apply and of the streaming kernels alone (``GSPN2_KERNEL=fast``) where the cluster kernel runs; kernel time (median of CUDA-graph replays, triton's
+on tall images and of the backward on large problems; the general ones beyond) and, side by side, of the general kernels (``kernel="general"``)
+where both apply and of the streaming kernels alone (``kernel="fast"``) where the cluster kernel runs; kernel time (median of CUDA-graph replays, triton's
 ``do_bench_cudagraph``; ``do_bench`` with CUDA events where graphs are unavailable), the achieved fraction
 of the bandwidth floor, the pure-PyTorch reference's time where affordable (one iteration) and
 FlashAttention (``scaled_dot_product_attention``, bf16, batch B, 4 heads x 64, the same token count H*W)
@@ -18,6 +19,12 @@ gates; backward also grad_h and the saved h), every output byte written once, di
 device-to-device copy rate measured in the same run (bytes read + bytes written per second).
 Writes ``bench_op.json``, ``bench_op.md`` (a markdown table) and ``bench_op_sweep.png`` (log-log time vs
 resolution) into ``--out-dir``.
+
+``--host-overhead``: the host cost of one call of each gspn2 op on tiny inputs, as the wall time per call of
+back-to-back calls minus the kernel time per call (CUDA-graph replay of the same call). Forward alone
+(``gspn_propagate`` and the raw ``torch.ops`` call), and forward plus backward through autograd, for which the
+autograd engine's own cost per ``backward()`` (measured on ``x * 2``, whose kernels take about as long) is
+shown and subtracted. Writes ``bench_host_overhead.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +40,16 @@ import time
 import torch
 
 import gspn2  # noqa: F401
-from gspn2.ops import _cuda, gspn_propagate_ref
+from gspn2.ops import _cuda, depthwise_conv2d, gspn_propagate, gspn_propagate_ref
+
+
+def fwd(x, lam, gates, kernel="auto", cluster_ctas=0):
+    """The CUDA forward (below autograd: no input requires grad here)."""
+    return torch.ops.gspn2.propagate(x, lam, gates, None, kernel, cluster_ctas)
+
+
+def bwd(grad_h, x, lam, gates, h, kernel="auto", cluster_ctas=0):
+    return torch.ops.gspn2.propagate_backward(grad_h, x, lam, gates, h, None, kernel, cluster_ctas)
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -119,30 +135,22 @@ def sdpa_ms(B, N, budget_flops=2e13):
 def bench_shape(label, B, C, H, W, K, dt, bw, with_ref, with_sdpa):
     dtype = DT[dt]
     x, lam, gates = inputs(B, C, H, W, K, dtype)
-    C_ = _cuda
-    h = C_.forward(x, lam, gates, None)
+    h = fwd(x, lam, gates)
     grad_h = torch.randn_like(h)
     rec = dict(label=label, B=B, C=C, H=H, W=W, K=K, dtype=dt)
-    rec["plan_fwd"] = C_.plan(B, C, H, W, K, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt], False)
-    rec["plan_bwd"] = C_.plan(B, C, H, W, K, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt], True)
-    rec["fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
-    rec["bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
-    if rec["plan_fwd"].get("cluster_ctas") or rec["plan_bwd"].get("cluster_ctas"):
-        os.environ["GSPN2_KERNEL"] = "fast"  # the streaming kernel's horizontal scans instead, same run
-        try:
-            if rec["plan_fwd"].get("cluster_ctas"):
-                rec["stream_fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
-            if rec["plan_bwd"].get("cluster_ctas"):
-                rec["stream_bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
-        finally:
-            del os.environ["GSPN2_KERNEL"]
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt]
+    rec["plan_fwd"] = _cuda.plan(B, C, H, W, K, name, False, kernel="auto", cluster_ctas=0)
+    rec["plan_bwd"] = _cuda.plan(B, C, H, W, K, name, True, kernel="auto", cluster_ctas=0)
+    rec["fwd_ms"] = median_ms(lambda: fwd(x, lam, gates))
+    rec["bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h))
+    # The streaming kernel's horizontal scans instead of the cluster kernels, same run.
+    if rec["plan_fwd"].get("cluster_ctas"):
+        rec["stream_fwd_ms"] = median_ms(lambda: fwd(x, lam, gates, "fast"))
+    if rec["plan_bwd"].get("cluster_ctas"):
+        rec["stream_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "fast"))
     if rec["plan_fwd"].get("kernel") == "fast":  # the general kernels on the same inputs, same run
-        os.environ["GSPN2_KERNEL"] = "general"
-        try:
-            rec["general_fwd_ms"] = median_ms(lambda: C_.forward(x, lam, gates, None))
-            rec["general_bwd_ms"] = median_ms(lambda: C_.backward(grad_h, x, lam, gates, h, None))
-        finally:
-            del os.environ["GSPN2_KERNEL"]
+        rec["general_fwd_ms"] = median_ms(lambda: fwd(x, lam, gates, "general"))
+        rec["general_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "general"))
     fb, bb = floor_bytes(B, C, H, W, K, BYTES[dtype])
     rec["fwd_floor_ms"] = fb / bw * 1e3
     rec["bwd_floor_ms"] = bb / bw * 1e3
@@ -243,28 +251,24 @@ CLUSTER_CHOICE_SMALL = [(32, 49, 32, 49), (128, 2, 32, 1), (128, 8, 64, 1), (1, 
 
 def cluster_choice(out_dir: str) -> list:
     """Forward and backward time of the streaming kernels alone and with the cluster kernels at 2, 4 and 8
-    CTAs per line (GSPN2_CLUSTER_CTAS), same inputs, same run: the data behind the planner's choice."""
+    CTAs per line (``cluster_ctas``), same inputs, same run: the data behind the planner's choice."""
     rows = []
     cases = [(shape, dt) for dt in ("bf16", "fp32") for shape in CLUSTER_CHOICE_SHAPES + CLUSTER_CHOICE_SMALL]
     for (B, C, H, K), dt in cases:
         x, lam, gates = inputs(B, C, H, H, K, DT[dt])
-        h = _cuda.forward(x, lam, gates, None)
+        h = fwd(x, lam, gates)
         grad_h = torch.randn_like(h)
         row = dict(B=B, C=C, H=H, W=H, K=K, dtype=dt)
         name = {"fp32": "float32", "bf16": "bfloat16"}[dt]
-        os.environ["GSPN2_KERNEL"] = "fast"
-        row["stream_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
-        row["stream_bwd_ms"] = median_ms(lambda: _cuda.backward(grad_h, x, lam, gates, h, None))
-        os.environ["GSPN2_KERNEL"] = "cluster"
+        row["stream_ms"] = median_ms(lambda: fwd(x, lam, gates, "fast"))
+        row["stream_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "fast"))
         for n in (2, 4, 8):
-            os.environ["GSPN2_CLUSTER_CTAS"] = str(n)
             if (H + n - 1) // n <= 512:
-                row[f"cluster{n}_ms"] = median_ms(lambda: _cuda.forward(x, lam, gates, None))
+                row[f"cluster{n}_ms"] = median_ms(lambda: fwd(x, lam, gates, "cluster", n))
             if (H + n - 1) // n <= 128:  # the backward kernel's rows per CTA
-                row[f"cluster{n}_bwd_ms"] = median_ms(lambda: _cuda.backward(grad_h, x, lam, gates, h, None))
-        del os.environ["GSPN2_CLUSTER_CTAS"], os.environ["GSPN2_KERNEL"]
-        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, name)["cluster_ctas"]
-        row["auto_ctas_bwd"] = _cuda.plan(B, C, H, H, K, name, True)["cluster_ctas"]
+                row[f"cluster{n}_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "cluster", n))
+        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, name, kernel="auto", cluster_ctas=0)["cluster_ctas"]
+        row["auto_ctas_bwd"] = _cuda.plan(B, C, H, H, K, name, True, kernel="auto", cluster_ctas=0)["cluster_ctas"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del x, lam, gates, h, grad_h
@@ -285,12 +289,90 @@ def cluster_choice(out_dir: str) -> list:
     return rows
 
 
+def _per_call_us(fn, n: int) -> float:
+    """Wall time per call of ``n`` back-to-back calls (after a warm-up), synchronised at the end."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def host_overhead(out_dir: str, n: int = 2000) -> list:
+    """Host cost per call = wall time per back-to-back call - kernel time per call (CUDA-graph replay)."""
+    rows = []
+    dev = "cuda"
+    x, lam, gates = inputs(2, 2, 8, 8, 1, torch.bfloat16)
+    xg, lg, gg = (t.detach().clone().requires_grad_(True) for t in (x, lam, gates))
+    gh = torch.randn(2, 4, 2, 8, 8, device=dev, dtype=torch.bfloat16)
+    xd = torch.randn(2, 16, 8, 8, device=dev, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    wd, bd = torch.randn(16, 1, 3, 3, device=dev), torch.randn(16, device=dev)
+    xdg = xd.detach().clone().requires_grad_(True)
+    wdg, bdg = wd.clone().requires_grad_(True), bd.clone().requires_grad_(True)
+    gyd = torch.randn_like(xd)
+    xa = torch.randn(2, 4, 2, 8, 8, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def train_step(f, grad, *params):
+        def step():
+            f().backward(grad)
+            for p in params:
+                p.grad = None
+        return step
+
+    cases = [
+        ("gspn_propagate forward", lambda: gspn_propagate(x, lam, gates), None),
+        ("torch.ops.gspn2.propagate forward", lambda: torch.ops.gspn2.propagate(x, lam, gates, None, "auto", 0), None),
+        ("depthwise_conv2d forward (3x3, kernel)", lambda: depthwise_conv2d(xd, wd, bd, True), None),
+        ("autograd engine: x * 2, forward + backward", train_step(lambda: xa * 2, gh, xa), "engine"),
+        ("gspn_propagate forward + backward", train_step(lambda: gspn_propagate(xg, lg, gg), gh, xg, lg, gg), "op"),
+        ("depthwise_conv2d forward + backward", train_step(lambda: depthwise_conv2d(xdg, wdg, bdg, True), gyd, xdg, wdg, bdg), "op"),
+    ]
+    kernel_us = {
+        "gspn_propagate forward": median_ms(lambda: fwd(x, lam, gates)) * 1e3,
+        "depthwise_conv2d forward (3x3, kernel)": median_ms(lambda: depthwise_conv2d(xd, wd, bd, True)) * 1e3,
+    }
+    kernel_us["torch.ops.gspn2.propagate forward"] = kernel_us["gspn_propagate forward"]
+    h = fwd(x, lam, gates)
+    kernel_us["gspn_propagate forward + backward"] = kernel_us["gspn_propagate forward"] + median_ms(
+        lambda: bwd(gh, x, lam, gates, h)) * 1e3
+    kernel_us["depthwise_conv2d forward + backward"] = kernel_us["depthwise_conv2d forward (3x3, kernel)"] + median_ms(
+        lambda: torch.ops.gspn2.depthwise_conv2d_backward(gyd, xd, wd, True, True, 4, 8)) * 1e3
+    kernel_us["autograd engine: x * 2, forward + backward"] = median_ms(lambda: xa.detach() * 2) * 1e3 * 2
+    engine = None
+    for name, fn, kind in cases:
+        wall = _per_call_us(fn, n)
+        host = max(wall - kernel_us[name], 0.0)
+        row = dict(case=name, wall_us=wall, kernel_us=kernel_us[name], host_us=host)
+        if kind == "engine":
+            engine = host
+        elif kind == "op" and engine is not None:
+            row["host_minus_engine_us"] = max(host - engine, 0.0)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    lines = ["| call (tiny inputs, bf16) | wall per call µs | kernel µs | host µs | host minus the autograd engine µs |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        extra = fmt(r["host_minus_engine_us"]) if "host_minus_engine_us" in r else ""
+        lines.append(f"| {r['case']} | {r['wall_us']:.1f} | {r['kernel_us']:.1f} | {r['host_us']:.1f} | {extra} |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "bench_host_overhead.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, "bench_host_overhead.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(md)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="headline shapes only, no sweep")
     ap.add_argument("--cluster-choice", action="store_true",
                     help="only streaming vs cluster kernels at 2/4/8 CTAs per line, forward and backward, bf16 and fp32")
+    ap.add_argument("--host-overhead", action="store_true", help="only the host cost of one call of each op")
     args = ap.parse_args()
     assert torch.cuda.is_available() and _cuda.extension_available(), "needs a GPU and the built extension"
     os.makedirs(args.out_dir, exist_ok=True)
@@ -304,6 +386,9 @@ def main():
     )
     if args.cluster_choice:
         cluster_choice(args.out_dir)
+        return
+    if args.host_overhead:
+        host_overhead(args.out_dir)
         return
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {env['gpu']}", flush=True)

@@ -1,16 +1,14 @@
-"""Profiling helper for the GPU sessions (scripts/gpu_session.sh): kernel calls for Nsight Compute, and
-timings of variants switched by environment variables between calls (profiling only):
-
-* ``GSPN2_ABLATE`` (results are wrong): general kernels: 1 skips tile loads, 2 the scan steps, 4 the
-  stores; streaming kernels: 8 skips the horizontal blocks, 16 the vertical ones, 64 runs horizontal
-  scans through the ring instead of the tile stage.
-* ``GSPN2_KERNEL=general`` the general kernels.
+"""Profiling helper: kernel calls for Nsight Compute, and timings of the kernel families per shape.
 
     python scripts/gpu_profile.py run big s128                 # a few calls, for ncu
-    python scripts/gpu_profile.py variants big m56             # a table of variants per shape
+    python scripts/gpu_profile.py variants big m56             # a table of kernel families per shape
+
+Ablations (parts of the kernels skipped; results are wrong) are a build flag: build with
+``GSPN2_ABLATE=<bits> pip install --no-build-isolation -e .`` (bits in gspn2/csrc/propagate.h,
+``PropagateParams::ablate``; ``gspn2.ops._cuda.limits()["ablate"]`` shows the build's), run ``variants``, and
+rebuild without it.
 """
 
-import os
 import sys
 
 import torch
@@ -27,14 +25,7 @@ SHAPES = {
     "m56": (128, 2, 56, 56, 1, torch.bfloat16),
     "m28": (128, 2, 28, 28, 1, torch.bfloat16),
 }
-VARIANTS = {
-    "base": {},
-    "horizontal only": {"GSPN2_ABLATE": "16"},
-    "vertical only": {"GSPN2_ABLATE": "8"},
-    "horizontal ring": {"GSPN2_ABLATE": "64"},
-    "horizontal ring only": {"GSPN2_ABLATE": "80"},
-    "general kernels": {"GSPN2_KERNEL": "general"},
-}
+VARIANTS = ("auto", "fast", "general")
 
 
 def main():
@@ -44,22 +35,18 @@ def main():
         x = torch.randn(B, C, H, W, device="cuda", dtype=dt)
         lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dt)
         g = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dt)
-        h = _cuda.forward(x, lam, g, None)
+        h = torch.ops.gspn2.propagate(x, lam, g, None, "auto", 0)
         gh = torch.randn_like(h)
-        _cuda.backward(gh, x, lam, g, h, None)
+        torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, "auto", 0)
         if mode != "variants":
             continue
         from triton.testing import do_bench
 
-        for label, env in VARIANTS.items():
-            os.environ.update(env)
-            try:
-                f = do_bench(lambda: _cuda.forward(x, lam, g, None), return_mode="median")
-                b = do_bench(lambda: _cuda.backward(gh, x, lam, g, h, None), return_mode="median")
-            finally:
-                for k in env:
-                    del os.environ[k]
-            print(f"{name:10s} {label:22s} fwd {f:8.4f} ms  bwd {b:8.4f} ms", flush=True)
+        ablate = _cuda.limits()["ablate"]
+        for kernel in VARIANTS:
+            f = do_bench(lambda: torch.ops.gspn2.propagate(x, lam, g, None, kernel, 0), return_mode="median")
+            b = do_bench(lambda: torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, kernel, 0), return_mode="median")
+            print(f"{name:10s} kernel={kernel:8s} ablate={ablate:<3d} fwd {f:8.4f} ms  bwd {b:8.4f} ms", flush=True)
     torch.cuda.synchronize()
 
 

@@ -1,23 +1,24 @@
-// Host side of the depthwise convolution kernels (dwconv_kernel.cu): checks, layouts, allocation. Bound in
-// propagate.cpp's module as dwconv_forward / dwconv_backward; gspn2/layers/dwconv.py registers them as
-// the CUDA kernels of gspn2::depthwise_conv2d and its backward.
+// Host side of the depthwise convolution kernels (dwconv_kernel.cu): checks, layouts, allocation, and the
+// registration of the CUDA implementations of gspn2::depthwise_conv2d and gspn2::depthwise_conv2d_backward
+// (schemas: gspn2/ops/dwconv.py) with their autograd formula for CUDA tensors. The tile and vector width
+// arrive as op arguments.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstdlib>
 #include <optional>
-#include <stdexcept>
+#include <tuple>
 #include <string>
 #include <vector>
 
 #include "dwconv.h"
 #include "message.h"
 
-#define GSPN2_DW_CHECK(cond, ...)                                                     \
-  do {                                                                                \
-    if (!(cond)) throw std::invalid_argument(gspn2::message("gspn2: ", __VA_ARGS__)); \
+#define GSPN2_DW_CHECK(cond, ...)                                                    \
+  do {                                                                               \
+    if (!(cond)) C10_THROW_ERROR(ValueError, gspn2::message("gspn2: ", __VA_ARGS__)); \
   } while (0)
 
 namespace gspn2 {
@@ -28,7 +29,9 @@ ScalarType dw_scalar_type(at::ScalarType t) {
     case at::kFloat: return ScalarType::Float;
     case at::kHalf: return ScalarType::Half;
     case at::kBFloat16: return ScalarType::BFloat16;
-    default: GSPN2_DW_CHECK(false, "the depthwise convolution kernel supports float32, float16 and bfloat16, got ", t);
+    default:
+      C10_THROW_ERROR(TypeError, gspn2::message("gspn2: the depthwise convolution kernel supports float32, float16 and "
+                                                "bfloat16, got ", t));
   }
   return ScalarType::Float;
 }
@@ -40,20 +43,15 @@ at::Tensor nhwc(const at::Tensor& t) {
   return c;
 }
 
-// Output pixels per thread and channels per thread of the 16-bit kernels (dwconv.h). GSPN2_DWCONV_TILE
-// (4 or 8) and GSPN2_DWCONV_VEC (4 or 8) override the defaults, for benchmarks.
-int env_choice(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return fallback;
-  const std::string v(env);
-  GSPN2_DW_CHECK(v == "4" || v == "8", name, " must be 4 or 8, got '", v, "'");
-  return std::atoi(env);
+// Output pixels per thread (`tile`) and channels per thread of the 16-bit kernels (`vec`), dwconv.h.
+void check_variant(int64_t tile, int64_t vec) {
+  GSPN2_DW_CHECK(tile == 4 || tile == 8, "`tile` must be 4 or 8, got ", tile);
+  GSPN2_DW_CHECK(vec == 4 || vec == 8, "`vec` must be 4 or 8, got ", vec);
 }
 
-int tile_choice() { return env_choice("GSPN2_DWCONV_TILE", 4); }
-int vec_choice() { return env_choice("GSPN2_DWCONV_VEC", 8); }
-
 void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xname) {
+  GSPN2_DW_CHECK(x.layout() == at::kStrided && weight.layout() == at::kStrided && !x.is_nested(),
+                 "`", xname, "` and `weight` must be dense (strided) tensors");
   GSPN2_DW_CHECK(x.is_cuda(), "`", xname, "` must be a CUDA tensor, got ", x.device());
   GSPN2_DW_CHECK(x.dim() == 4, "`", xname, "` must be (B, C, H, W), got ", x.sizes());
   const int64_t C = x.size(1);
@@ -71,10 +69,9 @@ at::Tensor taps_of(const at::Tensor& weight) {
   return weight.detach().reshape({weight.size(0), -1}).t().to(at::kFloat).contiguous();
 }
 
-}  // namespace
-
 at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          bool add_input, bool silu) {
+                          bool add_input, bool silu, int64_t tile, int64_t vec) {
+  check_variant(tile, vec);
   check_common(x_, weight, "x");
   const int64_t C = x_.size(1);
   if (bias.has_value()) {
@@ -101,18 +98,20 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   p.K = int(weight.size(2));
   p.silu = silu;
   p.dtype = dw_scalar_type(x.scalar_type());
-  p.tile = tile_choice();
-  p.vec = vec_choice();
+  p.tile = int(tile);
+  p.vec = int(vec);
   p.stream = c10::cuda::getCurrentCUDAStream();
   const std::string err = dwconv_forward_launch(p);
   GSPN2_DW_CHECK(err.empty(), err);
+  // The op promises x's strides (its fake implementation is empty_like(x)).
+  if (!x_.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::empty_like(x_).copy_(y);
   return y;
 }
 
 // [grad_x (x's dtype, channels_last; undefined unless need_input), grad_weight (C, 1, K, K) and grad_bias (C,)
 // in float32 (undefined unless need_weight)].
-std::vector<at::Tensor> dwconv_backward(const at::Tensor& grad_y_, const at::Tensor& x_, const at::Tensor& weight,
-                                        bool add_input, bool need_input, bool need_weight) {
+std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at::Tensor& x_, const at::Tensor& weight,
+                                            bool add_input, bool need_input, bool need_weight, int tile, int vec) {
   check_common(x_, weight, "x");
   check_common(grad_y_, weight, "grad_y");
   GSPN2_DW_CHECK(grad_y_.sizes() == x_.sizes(), "`grad_y` must have x's shape ", x_.sizes(), ", got ",
@@ -125,8 +124,6 @@ std::vector<at::Tensor> dwconv_backward(const at::Tensor& grad_y_, const at::Ten
   const int B = int(x_.size(0)), C = int(x_.size(1)), H = int(x_.size(2)), W = int(x_.size(3));
   const int K = int(weight.size(2));
   const ScalarType dtype = dw_scalar_type(x_.scalar_type());
-  const int tile = tile_choice();
-  const int vec = vec_choice();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor grad_x, grad_w, grad_b;
   if (need_input) {
@@ -172,4 +169,75 @@ std::vector<at::Tensor> dwconv_backward(const at::Tensor& grad_y_, const at::Ten
   return {grad_x, grad_w, grad_b};
 }
 
+// The CUDA implementation of gspn2::depthwise_conv2d_backward: grad_x with x's strides, grad_weight and
+// grad_bias in the weight's dtype (grad_bias zeros without a bias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                               const at::Tensor& weight, bool has_bias, bool add_input,
+                                                               int64_t tile, int64_t vec) {
+  check_variant(tile, vec);
+  std::vector<at::Tensor> g = dwconv_backward_raw(grad_y, x, weight, add_input, true, true, int(tile), int(vec));
+  at::Tensor grad_x = g[0];
+  if (!x.is_contiguous(at::MemoryFormat::ChannelsLast)) grad_x = at::empty_like(x).copy_(grad_x);
+  at::Tensor grad_b = has_bias ? g[2].to(weight.scalar_type()) : at::zeros({weight.size(0)}, weight.options());
+  return {grad_x, g[1].to(weight.scalar_type()).contiguous(), grad_b};
+}
+
+// Autograd for CUDA tensors (CPU keeps the Python formula of gspn2/ops/dwconv.py).
+class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, bool add_input, bool silu, int64_t tile,
+                            int64_t vec) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("gspn2::depthwise_conv2d", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                                 bool, bool, int64_t, int64_t)>();
+    at::Tensor y;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      y = op.call(x, weight, bias, add_input, silu, tile, vec);
+    }
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["add_input"] = add_input;
+    ctx->saved_data["silu"] = silu;
+    ctx->saved_data["tile"] = tile;
+    ctx->saved_data["vec"] = vec;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    GSPN2_DW_CHECK(!ctx->saved_data["silu"].toBool(),
+                   "gspn2::depthwise_conv2d with silu=True has no backward; depthwise_conv2d(..., silu=True) applies "
+                   "SiLU separately whenever autograd records");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("gspn2::depthwise_conv2d_backward", "")
+                               .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool, int64_t, int64_t)>();
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const at::Tensor grad_y = grads[0].contiguous(x.is_contiguous(at::MemoryFormat::ChannelsLast)
+                                                      ? at::MemoryFormat::ChannelsLast
+                                                      : at::MemoryFormat::Contiguous);
+    auto [grad_x, grad_w, grad_b] = op.call(grad_y, x, saved[1], has_bias, ctx->saved_data["add_input"].toBool(),
+                                            ctx->saved_data["tile"].toInt(), ctx->saved_data["vec"].toInt());
+    return {grad_x, grad_w, has_bias ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor dwconv_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           bool add_input, bool silu, int64_t tile, int64_t vec) {
+  return DwConvFunction::apply(x, weight, bias, add_input, silu, tile, vec);
+}
+
+}  // namespace
 }  // namespace gspn2
+
+TORCH_LIBRARY_IMPL(gspn2, CUDA, m) {
+  m.impl("depthwise_conv2d", &gspn2::dwconv_forward);
+  m.impl("depthwise_conv2d_backward", &gspn2::dwconv_backward);
+}
+
+TORCH_LIBRARY_IMPL(gspn2, AutogradCUDA, m) { m.impl("depthwise_conv2d", &gspn2::dwconv_autograd); }

@@ -1,15 +1,16 @@
-// Host side of the CUDA propagation op: input checks, the launch plan, allocation, and the Python
-// bindings that gspn2/ops/_cuda.py registers as the CUDA kernels of gspn2::propagate and
-// gspn2::propagate_backward.
+// Host side of the CUDA propagation op: input checks, the launch plan, allocation, and the registration of
+// the CUDA implementations of gspn2::propagate and gspn2::propagate_backward (schemas: gspn2/ops/propagate.py)
+// together with their autograd formula for CUDA tensors, so that a call from Python runs no Python below
+// torch.ops. Every choice (kernel family, CTAs per cluster line) arrives as an op argument.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -17,17 +18,23 @@
 #include "message.h"
 #include "propagate.h"
 
-// Input errors raise ValueError naming the tensor (std::invalid_argument through pybind11), without
-// building a c10::Error (its C++ backtrace capture is slow, and crashed in one sandboxed environment) and
-// without c10::str (message.h).
-#define GSPN2_CHECK(cond, ...)                                                     \
+// Input errors raise ValueError / TypeError in Python (c10::ValueError / c10::TypeError), with messages built
+// without iostreams (message.h). They name the argument.
+#define GSPN2_CHECK(cond, ...)                                                      \
+  do {                                                                              \
+    if (!(cond)) C10_THROW_ERROR(ValueError, gspn2::message("gspn2: ", __VA_ARGS__)); \
+  } while (0)
+#define GSPN2_CHECK_TYPE(cond, ...)                                                \
   do {                                                                             \
-    if (!(cond)) throw std::invalid_argument(gspn2::message("gspn2: ", __VA_ARGS__)); \
+    if (!(cond)) C10_THROW_ERROR(TypeError, gspn2::message("gspn2: ", __VA_ARGS__)); \
   } while (0)
 #define CHECK_CUDA(t) GSPN2_CHECK((t).is_cuda(), "`" #t "` must be a CUDA tensor, got ", (t).device())
 #define CHECK_SAME_DEVICE(t, ref) \
   GSPN2_CHECK((t).device() == (ref).device(), "`" #t "` must be on ", (ref).device(), " like `" #ref "`, got ", (t).device())
-#define CHECK_DTYPE(t, dt) GSPN2_CHECK((t).scalar_type() == (dt), "`" #t "` must have dtype ", (dt), ", got ", (t).scalar_type())
+#define CHECK_DTYPE(t, dt) GSPN2_CHECK_TYPE((t).scalar_type() == (dt), "`" #t "` must have dtype ", (dt), " like `x`, got ", (t).scalar_type())
+#define CHECK_STRIDED(t)                                                                                \
+  GSPN2_CHECK_TYPE((t).layout() == at::kStrided && !(t).is_nested(), "`" #t "` must be a dense (strided) tensor, got ", \
+                   (t).is_nested() ? "a nested tensor" : "layout " + layout_name((t).layout()))
 #define CHECK_SHAPE(t, ...)                                                                                 \
   do {                                                                                                      \
     const std::vector<int64_t> expected_{__VA_ARGS__};                                                      \
@@ -35,15 +42,70 @@
                 at::IntArrayRef(expected_), ", got ", (t).sizes());                                        \
   } while (0)
 
+// Profiling ablations, a build flag (GSPN2_ABLATE=<bits> in the environment of the build, setup.py; results are
+// wrong): the bits of PropagateParams::ablate (propagate.h).
+#ifndef GSPN2_ABLATE
+#define GSPN2_ABLATE 0
+#endif
+
 namespace gspn2 {
 namespace {
+
+constexpr int kAblate = GSPN2_ABLATE;
+
+std::string layout_name(at::Layout layout) {
+  switch (layout) {
+    case at::kStrided: return "strided";
+    case at::kSparse: return "sparse_coo";
+    case at::kSparseCsr: return "sparse_csr";
+    case at::kSparseCsc: return "sparse_csc";
+    case at::kSparseBsr: return "sparse_bsr";
+    case at::kSparseBsc: return "sparse_bsc";
+    case at::kMkldnn: return "mkldnn";
+    case at::kJagged: return "jagged";
+    default: return "non-strided";
+  }
+}
+
+// The kernel family asked for (the op's `kernel` argument): auto (the planner's choice), fast (streaming kernels
+// only), general (general kernels), cluster (the streaming plan with the cluster kernels on every pass).
+enum class Family { Auto, Fast, General, Cluster };
+
+struct PlanOptions {
+  Family family = Family::Auto;
+  int cluster_ctas = 0;  // CTAs per line of the cluster kernel: 0 = the planner's choice, else 2, 4 or 8
+};
+
+const char* family_name(Family f) {
+  switch (f) {
+    case Family::Fast: return "fast";
+    case Family::General: return "general";
+    case Family::Cluster: return "cluster";
+    default: return "auto";
+  }
+}
+
+PlanOptions parse_options(c10::string_view kernel, int64_t cluster_ctas) {
+  PlanOptions o;
+  if (kernel == "auto") o.family = Family::Auto;
+  else if (kernel == "fast") o.family = Family::Fast;
+  else if (kernel == "general") o.family = Family::General;
+  else if (kernel == "cluster") o.family = Family::Cluster;
+  else GSPN2_CHECK(false, "`kernel` must be 'auto', 'fast', 'general' or 'cluster', got '", std::string(kernel), "'");
+  GSPN2_CHECK(cluster_ctas == 0 || cluster_ctas == 2 || cluster_ctas == 4 || cluster_ctas == 8,
+              "`cluster_ctas` must be 0 (the planner's choice), 2, 4 or 8, got ", cluster_ctas);
+  o.cluster_ctas = int(cluster_ctas);
+  return o;
+}
 
 ScalarType to_scalar_type(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return ScalarType::Float;
     case at::kHalf: return ScalarType::Half;
     case at::kBFloat16: return ScalarType::BFloat16;
-    default: GSPN2_CHECK(false, "the CUDA kernel supports float32, float16 and bfloat16, got ", t);
+    default:
+      GSPN2_CHECK_TYPE(false, "`x` must be float32, float16 or bfloat16 for the CUDA kernel, got ", t,
+                       " (gspn2.ops.gspn_propagate runs float64 through the reference)");
   }
   return ScalarType::Float;
 }
@@ -89,19 +151,20 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // for lines of at least kClusterAutoMinLine rows, the backward (every dtype) for problems of at least
 // kClusterAutoMinElemsBwd elements (B * C * H * W), or always with GSPN2_KERNEL=cluster: the
 // fewest CTAs per line whose rows fit one CTA, doubled (up to 8) while the launch leaves SMs idle;
-// GSPN2_CLUSTER_CTAS overrides the count (benchmarks).
-void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, int smem_limit, int nsm, int cc_major) {
+// `cluster_ctas` overrides the count (benchmarks).
+void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int smem_limit, int nsm, int cc_major) {
+  const bool forced = o.family == Family::Cluster;
   p.ncta = 0;
   p.cluster_smem = 0;
   // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
   const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
-  if (kind != "cluster" && !(kind == "auto" && large)) return;
+  if (!forced && !(o.family == Family::Auto && large)) return;
   // auto: the forward in float32 only (the 16-bit forward measured slower than the streaming kernels on most
   // shapes); the backward in every dtype.
-  if (kind == "auto" && !backward && p.dtype != ScalarType::Float) return;
-  if (kind == "auto" && backward && p.dtype != ScalarType::Float && p.H < kClusterAutoMinLineBwd16) return;
+  if (!forced && !backward && p.dtype != ScalarType::Float) return;
+  if (!forced && backward && p.dtype != ScalarType::Float && p.H < kClusterAutoMinLineBwd16) return;
   if (p.W % kClusterTile != 0 || cc_major < 9) {
-    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster needs W a multiple of ", kClusterTile,
+    GSPN2_CHECK(!forced, "kernel='cluster' needs W a multiple of ", kClusterTile,
                 " and an sm_90 GPU; got W = ", p.W, ", compute capability ", cc_major, ".x");
     return;
   }
@@ -109,7 +172,7 @@ void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, in
   int ncta = 2;
   while (ncta < 8 && (p.H + ncta - 1) / ncta > max_rows) ncta *= 2;
   if ((p.H + ncta - 1) / ncta > max_rows) {
-    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster: ", p.H, " rows do not fit 8 CTAs of ", max_rows);
+    GSPN2_CHECK(!forced, "kernel='cluster': ", p.H, " rows do not fit 8 CTAs of ", max_rows);
     return;
   }
   // 10 * CTAs < 9 * SMs: B16 C2 (128 CTAs of 2 per line on 132 SMs) measured faster than 4 per line.
@@ -117,16 +180,14 @@ void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, in
          (p.H + 2 * ncta - 1) / (2 * ncta) >= 2 * kClusterTile) {
     ncta *= 2;
   }
-  if (const char* forced = std::getenv("GSPN2_CLUSTER_CTAS")) {  // benchmarks: 2, 4 or 8 CTAs per line
-    const int n = std::atoi(forced);
-    GSPN2_CHECK((n == 2 || n == 4 || n == 8) && (p.H + n - 1) / n <= max_rows,
-                "GSPN2_CLUSTER_CTAS must be 2, 4 or 8 with at most ", max_rows, " rows per CTA, got '", forced,
-                "' for H = ", p.H);
-    ncta = n;
+  if (o.cluster_ctas > 0) {  // benchmarks
+    GSPN2_CHECK((p.H + o.cluster_ctas - 1) / o.cluster_ctas <= max_rows, "`cluster_ctas` = ", o.cluster_ctas,
+                " leaves more than ", max_rows, " rows per CTA for H = ", p.H);
+    ncta = o.cluster_ctas;
   }
   const ClusterShape s = cluster_shape(p.H, ncta, backward, element_size(p.dtype));
   if (s.smem > smem_limit) {
-    GSPN2_CHECK(kind != "cluster", "GSPN2_KERNEL=cluster: ", s.smem, " bytes of shared memory per CTA do not fit ",
+    GSPN2_CHECK(!forced, "kernel='cluster': ", s.smem, " bytes of shared memory per CTA do not fit ",
                 smem_limit);
     return;
   }
@@ -134,20 +195,16 @@ void plan_cluster(PropagateParams& p, bool backward, const std::string& kind, in
   p.cluster_smem = s.smem;
 }
 
-bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit, int nsm, int cc_major) {
-  const char* forced = std::getenv("GSPN2_KERNEL");
-  const std::string kind = forced ? forced : "auto";
-  GSPN2_CHECK(kind == "auto" || kind == "fast" || kind == "general" || kind == "cluster",
-              "GSPN2_KERNEL must be auto, fast, general or cluster, got '", kind, "'");
+bool make_plan_fast(PropagateParams& p, bool backward, const PlanOptions& o, int smem_limit, int nsm, int cc_major) {
   const int lmax = std::max(p.H, p.W);
   p.ncta = 0;
-  if (kind == "general") return false;
+  if (o.family == Family::General) return false;
   if (lmax > kFastMaxLine) {
-    GSPN2_CHECK(kind != "fast" && kind != "cluster", "GSPN2_KERNEL=", kind, ": the streaming kernels take lines of up to ",
-                kFastMaxLine, " pixels, got ", lmax);
+    GSPN2_CHECK(o.family == Family::Auto, "kernel='", family_name(o.family), "': the streaming kernels take lines of up to ",
+                kFastMaxLine, " pixels, got H = ", p.H, ", W = ", p.W, "; use kernel='auto'");
     return false;
   }
-  plan_cluster(p, backward, kind, smem_limit, nsm, cc_major);
+  plan_cluster(p, backward, o, smem_limit, nsm, cc_major);
   const int esize = element_size(p.dtype);
   p.kernel = 2;
   p.nt = round_up(lmax, 32);
@@ -176,7 +233,7 @@ bool make_plan_fast(PropagateParams& p, bool backward, int smem_limit, int nsm, 
   return true;
 }
 
-void make_plan(PropagateParams& p, bool backward) {
+void make_plan(PropagateParams& p, bool backward, const PlanOptions& o) {
   const int esize = element_size(p.dtype);
   const int tmax = 128 / esize;
   const int tmin = esize == 2 ? 2 : 1;  // one 4-byte copy
@@ -202,7 +259,7 @@ void make_plan(PropagateParams& p, bool backward) {
     }
   }
   cudaGetLastError();  // no device here (planning only): keep the defaults
-  if (make_plan_fast(p, backward, smem_limit, nsm, cc_major)) return;
+  if (make_plan_fast(p, backward, o, smem_limit, nsm, cc_major)) return;
   p.kernel = 1;
   auto score = [&](const PropagateParams& q) {
     const int64_t blocks = int64_t(4) * q.B * q.K * q.nsl;
@@ -236,13 +293,13 @@ void make_plan(PropagateParams& p, bool backward) {
   }
   GSPN2_CHECK(found, "a line of ", std::max(p.H, p.W),
               " pixels does not fit in one block's shared memory; the CUDA kernel supports lines of up to "
-              "about 4096 pixels (GSPN2_BACKEND=reference runs any size)");
+              "about 4096 pixels (gspn_propagate_ref runs any size)");
   p = best;
   fill_copy_sets(p, backward);
-  for (int o = 0; o < 2; ++o) {  // profiling ablations (GSPN2_ABLATE), results are wrong
+  for (int r = 0; r < 2; ++r) {  // profiling ablations (build flag GSPN2_ABLATE), results are wrong
     for (int k = 0; k < kNumCopyKinds; ++k) {
       const bool load = k == kLoadMain || k == kLoadBoundary;
-      if ((load && (p.ablate & 1)) || (!load && (p.ablate & 4))) p.copy[o][k].njobs = 0;
+      if ((load && (p.ablate & 1)) || (!load && (p.ablate & 4))) p.copy[r][k].njobs = 0;
     }
   }
 }
@@ -273,9 +330,7 @@ PropagateParams make_params(const at::Tensor& x, const at::Tensor& lam, const at
   p.h_sc = p.lam_sc;
   p.gxp_sd = int64_t(p.B) * p.C * HW;
   p.ggp_ssl = int64_t(p.B) * 4 * 3 * p.K * HW;
-  // Read on every call (cheap), so that a benchmark can switch them between calls.
-  const char* ablate = std::getenv("GSPN2_ABLATE");
-  p.ablate = ablate ? std::atoi(ablate) : 0;
+  p.ablate = kAblate;
   p.x = x.data_ptr();
   p.lam = lam.data_ptr();
   p.gates = gates.data_ptr();
@@ -284,6 +339,9 @@ PropagateParams make_params(const at::Tensor& x, const at::Tensor& lam, const at
 
 void check_inputs(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
                   std::optional<int64_t> chunk) {
+  CHECK_STRIDED(x);
+  CHECK_STRIDED(lam);
+  CHECK_STRIDED(gates);
   CHECK_CUDA(x);
   CHECK_SAME_DEVICE(lam, x);
   CHECK_SAME_DEVICE(gates, x);
@@ -296,50 +354,60 @@ void check_inputs(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& 
   CHECK_SHAPE(lam, B, 4, C, H, W);
   GSPN2_CHECK(gates.dim() == 6, "`gates` must have shape (B, 4, 3, K, H, W), got ", gates.sizes());
   const int64_t K = gates.size(3);
-  GSPN2_CHECK(K >= 1 && C % K == 0, "`gates` has K = ", K, " affinity groups, which must divide C = ", C);
+  GSPN2_CHECK(K >= 1 && C % K == 0, "`gates` has K = ", K, " affinity groups (dim 3), which must divide C = ", C);
   CHECK_SHAPE(gates, B, 4, 3, K, H, W);
   GSPN2_CHECK(H * W < (int64_t(1) << 31), "H * W must be below 2^31, got ", H, " x ", W);
   GSPN2_CHECK(4 * B * C < (int64_t(1) << 31), "too many blocks for one launch: B * C = ", B * C);
   GSPN2_CHECK(!chunk.has_value() || *chunk >= 1, "`chunk` must be None or >= 1, got ", chunk.value_or(0));
 }
 
+void check_backward_inputs(const at::Tensor& grad_h, const at::Tensor& x, const at::Tensor& h) {
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  CHECK_STRIDED(grad_h);
+  CHECK_STRIDED(h);
+  CHECK_SAME_DEVICE(grad_h, x);
+  CHECK_SAME_DEVICE(h, x);
+  CHECK_DTYPE(grad_h, x.scalar_type());
+  CHECK_DTYPE(h, x.scalar_type());
+  CHECK_SHAPE(grad_h, B, 4, C, H, W);
+  CHECK_SHAPE(h, B, 4, C, H, W);
+}
+
+// The CUDA implementation of gspn2::propagate.
 at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const at::Tensor& gates_,
-                             std::optional<int64_t> chunk) {
+                             std::optional<int64_t> chunk, c10::string_view kernel, int64_t cluster_ctas) {
+  const PlanOptions o = parse_options(kernel, cluster_ctas);
   check_inputs(x_, lam_, gates_, chunk);
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = prepare(x_), lam = prepare(lam_), gates = prepare(gates_);
   PropagateParams p = make_params(x, lam, gates, chunk);
-  make_plan(p, /*backward=*/false);
+  make_plan(p, /*backward=*/false, o);
   at::Tensor h = at::empty({p.B, 4, p.C, p.H, p.W}, x.options());
   p.h = h.data_ptr();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (p.kernel == 2) {
     // With the cluster kernel: two launches in one stream, the horizontal directions first.
-    if (p.ncta > 0 && !(p.ablate & 8)) launch_forward_cluster(p, c10::cuda::getCurrentCUDAStream());
-    launch_forward_fast(p, c10::cuda::getCurrentCUDAStream());
+    if (p.ncta > 0 && !(p.ablate & 8)) launch_forward_cluster(p, stream);
+    launch_forward_fast(p, stream);
   } else {
-    launch_forward(p, c10::cuda::getCurrentCUDAStream());
+    launch_forward(p, stream);
   }
   return h;
 }
 
-std::vector<at::Tensor> propagate_backward(const at::Tensor& grad_h_, const at::Tensor& x_, const at::Tensor& lam_,
-                                           const at::Tensor& gates_, const at::Tensor& h_,
-                                           std::optional<int64_t> chunk) {
+// The CUDA implementation of gspn2::propagate_backward: (grad_x, grad_lam, grad_gates), contiguous.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> propagate_backward(
+    const at::Tensor& grad_h_, const at::Tensor& x_, const at::Tensor& lam_, const at::Tensor& gates_,
+    const at::Tensor& h_, std::optional<int64_t> chunk, c10::string_view kernel, int64_t cluster_ctas) {
+  const PlanOptions o = parse_options(kernel, cluster_ctas);
   check_inputs(x_, lam_, gates_, chunk);
+  check_backward_inputs(grad_h_, x_, h_);
   const int64_t B = x_.size(0), C = x_.size(1), H = x_.size(2), W = x_.size(3);
-  const at::Tensor& grad_h = grad_h_;
-  const at::Tensor& h = h_;
-  CHECK_SAME_DEVICE(grad_h, x_);
-  CHECK_SAME_DEVICE(h, x_);
-  CHECK_DTYPE(grad_h, x_.scalar_type());
-  CHECK_DTYPE(h, x_.scalar_type());
-  CHECK_SHAPE(grad_h, B, 4, C, H, W);
-  CHECK_SHAPE(h, B, 4, C, H, W);
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = prepare(x_), lam = prepare(lam_), gates = prepare(gates_);
   const at::Tensor gh = prepare(grad_h_), hs = prepare(h_);
   PropagateParams p = make_params(x, lam, gates, chunk);
-  make_plan(p, /*backward=*/true);
+  make_plan(p, /*backward=*/true, o);
   at::Tensor grad_x = at::empty_like(x);
   at::Tensor grad_lam = at::empty_like(lam);
   at::Tensor grad_gates = at::empty_like(gates);
@@ -353,18 +421,72 @@ std::vector<at::Tensor> propagate_backward(const at::Tensor& grad_h_, const at::
   p.grad_gates = grad_gates.data_ptr();
   p.grad_x_part = grad_x_part.data_ptr<float>();
   p.grad_gates_part = p.nsl > 1 ? grad_gates_part.data_ptr<float>() : nullptr;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (p.kernel == 2) {
     // With the cluster kernel: the horizontal directions first, then the vertical blocks and the reduce pass.
-    if (p.ncta > 0 && !(p.ablate & 8)) launch_backward_cluster(p, c10::cuda::getCurrentCUDAStream());
-    launch_backward_fast(p, c10::cuda::getCurrentCUDAStream());
+    if (p.ncta > 0 && !(p.ablate & 8)) launch_backward_cluster(p, stream);
+    launch_backward_fast(p, stream);
   } else {
-    launch_backward(p, c10::cuda::getCurrentCUDAStream());
+    launch_backward(p, stream);
   }
   return {grad_x, grad_lam, grad_gates};
 }
 
-// The decomposition the kernels would use (for benchmarks and debugging).
-py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::string& dtype, bool backward) {
+// Autograd for CUDA tensors (the AutogradCUDA key; CPU keeps the Python formula of gspn2/ops/propagate.py,
+// which computes the same thing). Both passes redispatch through the dispatcher, so fake tensors
+// (torch.compile, export) reach the fake implementations.
+class PropagateFunction : public torch::autograd::Function<PropagateFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& lam,
+                            const at::Tensor& gates, std::optional<int64_t> chunk, c10::string_view kernel,
+                            int64_t cluster_ctas) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("gspn2::propagate", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 std::optional<int64_t>, c10::string_view, int64_t)>();
+    at::Tensor h;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      h = op.call(x, lam, gates, chunk, kernel, cluster_ctas);
+    }
+    ctx->save_for_backward({x, lam, gates, h});
+    ctx->saved_data["chunk"] = chunk.has_value() ? c10::IValue(*chunk) : c10::IValue();
+    ctx->saved_data["kernel"] = std::string(kernel);
+    ctx->saved_data["cluster_ctas"] = cluster_ctas;
+    return h;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("gspn2::propagate_backward", "")
+            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                std::optional<int64_t>, c10::string_view, int64_t)>();
+    const auto saved = ctx->get_saved_variables();
+    const c10::IValue& chunk_v = ctx->saved_data["chunk"];
+    const std::optional<int64_t> chunk = chunk_v.isNone() ? std::nullopt : std::optional<int64_t>(chunk_v.toInt());
+    const std::string kernel = ctx->saved_data["kernel"].toStringRef();
+    auto [grad_x, grad_lam, grad_gates] = op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], chunk,
+                                                  kernel, ctx->saved_data["cluster_ctas"].toInt());
+    return {grad_x, grad_lam, grad_gates, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor propagate_autograd(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
+                              std::optional<int64_t> chunk, c10::string_view kernel, int64_t cluster_ctas) {
+  return PropagateFunction::apply(x, lam, gates, chunk, kernel, cluster_ctas);
+}
+
+// The decomposition the kernels would use (benchmarks, tests). Without a GPU the plan is an H200's.
+py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::string& dtype, bool backward,
+              const std::string& kernel, int64_t cluster_ctas) {
+  const PlanOptions o = parse_options(kernel, cluster_ctas);
+  GSPN2_CHECK(dtype == "float32" || dtype == "float16" || dtype == "bfloat16",
+              "`dtype` must be 'float32', 'float16' or 'bfloat16', got '", dtype, "'");
+  GSPN2_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1 && K >= 1 && C % K == 0,
+              "B, C, H, W, K must be >= 1 with K dividing C, got ", B, ", ", C, ", ", H, ", ", W, ", ", K);
   PropagateParams p{};
   p.dtype = dtype == "float32" ? ScalarType::Float : dtype == "float16" ? ScalarType::Half : ScalarType::BFloat16;
   p.B = int(B);
@@ -373,7 +495,7 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   p.W = int(W);
   p.K = int(K);
   p.G = int(C / K);
-  make_plan(p, backward);
+  make_plan(p, backward, o);
   py::dict d;
   d["kernel"] = p.kernel == 2 ? "fast" : "general";
   d["cs"] = p.cs;
@@ -384,7 +506,7 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   if (p.kernel == 2) {
     d["threads"] = p.nt;
     d["tile_h"] = bool(p.tile_h);
-    d["cluster_ctas"] = p.ncta;  // > 0: the forward's horizontal directions run in the cluster kernel
+    d["cluster_ctas"] = p.ncta;  // > 0: the horizontal directions run in the cluster kernel
     if (p.ncta > 0) d["cluster_smem_bytes"] = p.cluster_smem;
   } else {
     d["threads"] = p.nx * p.ny;
@@ -396,44 +518,35 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   return d;
 }
 
-// The bound functions never throw: they return (result, error message) and gspn2/ops/_cuda.py raises
-// ValueError on a message. (C++ exceptions crossing into pybind11 crashed the interpreter on one
-// machine; keeping them inside this module sidesteps that.)
-template <typename Ret, typename... Args>
-auto no_throw(Ret (*fn)(Args...)) {
-  return [fn](Args... args) -> std::tuple<std::optional<Ret>, std::string> {
-    try {
-      return {fn(std::forward<Args>(args)...), std::string()};
-    } catch (const c10::Error& e) {
-      return {std::nullopt, e.what_without_backtrace()};
-    } catch (const std::exception& e) {
-      return {std::nullopt, e.what()};
-    }
-  };
+// The kernels' limits and the planner's thresholds, for Python (never copied there).
+py::dict limits() {
+  py::dict d;
+  d["fast_max_line"] = kFastMaxLine;
+  d["cluster_tile"] = kClusterTile;
+  d["cluster_auto_min_line"] = kClusterAutoMinLine;
+  d["cluster_auto_min_elems_bwd"] = kClusterAutoMinElemsBwd;
+  d["cluster_auto_min_line_bwd_16bit"] = kClusterAutoMinLineBwd16;
+  d["dwconv_kernel_sizes"] = py::make_tuple(3, 5, 7);
+  d["ablate"] = kAblate;
+  return d;
 }
 
 }  // namespace
 
-// Depthwise convolution (dwconv.cpp).
-at::Tensor dwconv_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          bool add_input, bool silu);
-std::vector<at::Tensor> dwconv_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
-                                        bool add_input, bool need_input, bool need_weight);
-
 }  // namespace gspn2
 
+TORCH_LIBRARY_IMPL(gspn2, CUDA, m) {
+  m.impl("propagate", &gspn2::propagate_forward);
+  m.impl("propagate_backward", &gspn2::propagate_backward);
+}
+
+TORCH_LIBRARY_IMPL(gspn2, AutogradCUDA, m) { m.impl("propagate", &gspn2::propagate_autograd); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gspn2 CUDA kernels (use gspn2.ops.gspn_propagate; this module is imported by gspn2.ops._cuda only)";
-  m.def("forward", gspn2::no_throw(&gspn2::propagate_forward), "(h, error) = propagate(x, lam, gates, chunk)", py::arg("x"), py::arg("lam"),
-        py::arg("gates"), py::arg("chunk"));
-  m.def("backward", gspn2::no_throw(&gspn2::propagate_backward), "([grad_x, grad_lam, grad_gates], error) = propagate_backward(...)",
-        py::arg("grad_h"), py::arg("x"), py::arg("lam"), py::arg("gates"), py::arg("h"), py::arg("chunk"));
-  m.def("plan", gspn2::no_throw(&gspn2::plan), "(plan dict, error) for a problem", py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"),
-        py::arg("K"), py::arg("dtype"), py::arg("backward"));
-  m.def("dwconv_forward", gspn2::no_throw(&gspn2::dwconv_forward),
-        "(y, error) = depthwise conv(x) + bias [+ x] [then SiLU], channels_last", py::arg("x"), py::arg("weight"),
-        py::arg("bias"), py::arg("add_input"), py::arg("silu"));
-  m.def("dwconv_backward", gspn2::no_throw(&gspn2::dwconv_backward),
-        "([grad_x, grad_weight (fp32), grad_bias (fp32)], error)", py::arg("grad_y"), py::arg("x"), py::arg("weight"),
-        py::arg("add_input"), py::arg("need_input"), py::arg("need_weight"));
+  m.doc() = "gspn2 CUDA kernels: loading this module registers the CUDA implementations of the gspn2:: ops "
+            "(imported by gspn2.ops._cuda only)";
+  m.def("plan", &gspn2::plan, "The launch plan of a problem (dict)", py::arg("B"), py::arg("C"), py::arg("H"),
+        py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("backward") = false, py::arg("kernel") = "auto",
+        py::arg("cluster_ctas") = 0);
+  m.def("limits", &gspn2::limits, "The kernels' limits and planning thresholds (dict)");
 }

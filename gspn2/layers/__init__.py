@@ -5,7 +5,6 @@ Each keeps the parameters of the plain module it stands for (``nn.Conv2d``, timm
 runs that plain module's forward: the reference the equivalence tests compare against.
 """
 
-from gspn2.layers.dwconv import depthwise_conv2d
 from gspn2.layers.mlp import PointwiseMlp
 from gspn2.layers.norm import LayerNorm2d, layer_norm_last_dim
 from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, silu_gate_linear, to_rows
@@ -14,7 +13,6 @@ __all__ = [
     "Conv1x1",
     "LayerNorm2d",
     "PointwiseMlp",
-    "depthwise_conv2d",
     "from_rows",
     "gelu_linear",
     "layer_norm_last_dim",

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import LayerNorm2d as _TimmLayerNorm2d
 
-from gspn2.layers._amp import autocast_enabled
+from gspn2.ops._amp import autocast_enabled
 
 __all__ = ["LayerNorm2d", "layer_norm_last_dim"]
 

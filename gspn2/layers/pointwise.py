@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gspn2.layers._amp import autocast_enabled, autocast_off
+from gspn2.ops._amp import autocast_enabled, autocast_off
+from gspn2.ops._amp import cast_optional as _cast
 
 __all__ = ["Conv1x1", "from_rows", "gelu_linear", "norm_linear", "silu_gate_linear", "to_rows"]
 
@@ -80,10 +81,6 @@ class Conv1x1(nn.Conv2d):
         return tuple(
             from_rows(F.linear(rows, w, b), B, H, W) for w, b in zip(weight.chunk(self.out_chunks), biases)
         )
-
-
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return t.to(dtype) if t is not None else None
 
 
 class _GeluLinear(torch.autograd.Function):

@@ -28,7 +28,7 @@ channels, ``K = affinity_groups``::
 Speed (``fast_path=True``, the default; ``docs/models.md``, "Speed"): with channels_last memory every 1x1
 convolution is a GEMM on the contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the
 activation dtype under autocast, and two autograd functions recompute GELU and the SiLU gate in backward
-instead of saving them; the local perception units are one ``gspn2.layers.depthwise_conv2d`` each (the
+instead of saving them; the local perception units are one ``gspn2.ops.depthwise_conv2d`` each (the
 residual added in the kernel). ``fast_path=False`` computes the same function module by module, as first
 written: the reference of ``tests/models/test_fast_block.py``. Parameters and state dicts are identical.
 """
@@ -44,8 +44,8 @@ from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, trunc_nor
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
 from timm.models._features import feature_take_indices
 
-from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, depthwise_conv2d, from_rows, norm_linear, to_rows
-from gspn2.ops import gspn_propagate
+from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, norm_linear, to_rows
+from gspn2.ops import depthwise_conv2d, gspn_propagate
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
 
@@ -81,7 +81,7 @@ class LocalPerceptionUnit(nn.Module):
         self.fast_path = fast_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_path:  # one pass: gspn2.layers.depthwise_conv2d adds the input
+        if self.fast_path:  # one pass: gspn2.ops.depthwise_conv2d adds the input
             return depthwise_conv2d(x, self.conv.weight, self.conv.bias, add_input=True)
         return x + self.conv(x)
 

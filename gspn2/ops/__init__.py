@@ -1,11 +1,15 @@
-"""The GSPN-2 propagation operator: one public entry point and its pure-PyTorch reference.
+"""gspn2's ops: the GSPN-2 propagation operator and the channels-last depthwise convolution.
 
-On CUDA tensors ``gspn_propagate`` runs the fused kernel of ``gspn2/csrc`` (see :mod:`gspn2.ops._cuda`
-for the backend choice and ``GSPN2_BACKEND``); on CPU it runs the reference.
+One public entry point each (:func:`gspn_propagate`, :func:`depthwise_conv2d`) and the pure-PyTorch reference
+of the propagation (:func:`gspn_propagate_ref`, the specification in code). On CUDA tensors the fused kernels
+of ``gspn2/csrc`` run (registered in C++ when the extension is imported, :mod:`gspn2.ops._cuda`); elsewhere
+the references do. Backend and kernel choices: :mod:`gspn2.ops.options`.
 """
 
 from gspn2.ops.propagate import gspn_propagate
+from gspn2.ops.dwconv import depthwise_conv2d
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
-from gspn2.ops import _cuda  # noqa: E402,F401  (registers the CUDA kernels of the gspn2:: ops)
+from gspn2.ops import _cuda  # noqa: F401  (imports the extension, which registers the CUDA kernels)
+from gspn2.ops import options
 
-__all__ = ["gspn_propagate", "gspn_propagate_ref", "gspn_propagate_backward_ref"]
+__all__ = ["depthwise_conv2d", "gspn_propagate", "gspn_propagate_ref", "gspn_propagate_backward_ref", "options"]

@@ -1,13 +1,18 @@
-"""The ``gspn2::propagate`` custom op: registration, fake implementations and autograd.
+"""The ``gspn2::propagate`` ops: schemas, the reference and fake implementations, autograd, and the public entry.
 
 Two ops live in the ``gspn2`` namespace:
 
-* ``gspn2::propagate(x, lam, gates, chunk) -> h``
-* ``gspn2::propagate_backward(grad_h, x, lam, gates, h, chunk) -> (grad_x, grad_lam, grad_gates)``
+* ``gspn2::propagate(x, lam, gates, chunk, kernel, cluster_ctas) -> h``
+* ``gspn2::propagate_backward(grad_h, x, lam, gates, h, chunk, kernel, cluster_ctas) -> (grad_x, grad_lam, grad_gates)``
 
-Their default implementation (every device) is the pure-PyTorch reference in
-:mod:`gspn2.ops.reference`; a device backend plugs in with ``torch.library.register_kernel`` on the
-same op names, so the fake and autograd registrations below stay one op for every device.
+``kernel`` and ``cluster_ctas`` choose the CUDA kernels (:mod:`gspn2.ops.options`); other devices validate and
+ignore them. Implementations:
+
+* CUDA: ``gspn2/csrc/propagate.cpp`` registers the fused kernels and their autograd formula in C++, so a
+  call runs no Python below ``torch.ops``. The checks live there.
+* Every other device: the pure-PyTorch reference (:mod:`gspn2.ops.reference`), with the checks of
+  :mod:`gspn2.ops._checks`, and the autograd formula below.
+* Fake tensors (``torch.compile``, ``torch.export``): the checks, then an empty output.
 """
 
 from __future__ import annotations
@@ -16,64 +21,80 @@ from typing import Optional
 
 import torch
 
-from gspn2.ops._checks import check_propagate_inputs
+from gspn2.ops import options as _options
+from gspn2.ops._checks import check_backward_inputs, check_chunk, check_options, check_propagate_inputs
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
 __all__ = ["gspn_propagate"]
 
+_LIB = torch.library.Library("gspn2", "FRAGMENT")
+_LIB.define(
+    "propagate(Tensor x, Tensor lam, Tensor gates, int? chunk, str kernel, int cluster_ctas) -> Tensor"
+)
+_LIB.define(
+    "propagate_backward(Tensor grad_h, Tensor x, Tensor lam, Tensor gates, Tensor h, int? chunk, str kernel, "
+    "int cluster_ctas) -> (Tensor, Tensor, Tensor)"
+)
 
-@torch.library.custom_op("gspn2::propagate", mutates_args=())
-def _propagate(
-    x: torch.Tensor, lam: torch.Tensor, gates: torch.Tensor, chunk: Optional[int]
-) -> torch.Tensor:
+
+@torch.library.impl(_LIB, "propagate", "CompositeExplicitAutograd")
+def _propagate_reference(x, lam, gates, chunk, kernel, cluster_ctas):
+    check_propagate_inputs(x, lam, gates, chunk)
+    check_options(kernel, cluster_ctas)
     return gspn_propagate_ref(x, lam, gates, chunk)
 
 
-@_propagate.register_fake
-def _propagate_fake(x, lam, gates, chunk):
+@torch.library.register_fake("gspn2::propagate", lib=_LIB)
+def _propagate_fake(x, lam, gates, chunk, kernel, cluster_ctas):
+    check_propagate_inputs(x, lam, gates, chunk)
+    check_options(kernel, cluster_ctas)
     B, C, H, W = x.shape
     return x.new_empty((B, 4, C, H, W))
 
 
-@torch.library.custom_op("gspn2::propagate_backward", mutates_args=())
-def _propagate_backward(
-    grad_h: torch.Tensor,
-    x: torch.Tensor,
-    lam: torch.Tensor,
-    gates: torch.Tensor,
-    h: torch.Tensor,
-    chunk: Optional[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.impl(_LIB, "propagate_backward", "CompositeExplicitAutograd")
+def _propagate_backward_reference(grad_h, x, lam, gates, h, chunk, kernel, cluster_ctas):
+    check_propagate_inputs(x, lam, gates, chunk)
+    check_backward_inputs(grad_h, x, h)
+    check_options(kernel, cluster_ctas)
     return gspn_propagate_backward_ref(grad_h, x, lam, gates, h, chunk)
 
 
-@_propagate_backward.register_fake
-def _propagate_backward_fake(grad_h, x, lam, gates, h, chunk):
+@torch.library.register_fake("gspn2::propagate_backward", lib=_LIB)
+def _propagate_backward_fake(grad_h, x, lam, gates, h, chunk, kernel, cluster_ctas):
+    check_propagate_inputs(x, lam, gates, chunk)
+    check_backward_inputs(grad_h, x, h)
     # Every backend returns contiguous gradients, whatever the strides of the inputs.
     return x.new_empty(x.shape), lam.new_empty(lam.shape), gates.new_empty(gates.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x, lam, gates, chunk = inputs
+    x, lam, gates, chunk, kernel, cluster_ctas = inputs
     ctx.save_for_backward(x, lam, gates, output)
-    ctx.chunk = chunk
+    ctx.options = (chunk, kernel, cluster_ctas)
 
 
 def _backward(ctx, grad_h):
     x, lam, gates, h = ctx.saved_tensors
-    grad_x, grad_lam, grad_gates = torch.ops.gspn2.propagate_backward(
-        grad_h.contiguous(), x, lam, gates, h, ctx.chunk
+    grad_x, grad_lam, grad_gates = torch.ops.gspn2.propagate_backward.default(
+        grad_h.contiguous(), x, lam, gates, h, *ctx.options
     )
-    return grad_x, grad_lam, grad_gates, None
+    return grad_x, grad_lam, grad_gates, None, None, None
 
 
-_propagate.register_autograd(_backward, setup_context=_setup_context)
+# Every device but CUDA, whose formula (the same one) is registered in C++ for the AutogradCUDA key.
+torch.library.register_autograd("gspn2::propagate", _backward, setup_context=_setup_context, lib=_LIB)
 
 
 def gspn_propagate(
-    x: torch.Tensor, lam: torch.Tensor, gates: torch.Tensor, chunk: Optional[int] = None
+    x: torch.Tensor,
+    lam: torch.Tensor,
+    gates: torch.Tensor,
+    chunk: Optional[int] = None,
+    *,
+    kernel: Optional[str] = None,
 ) -> torch.Tensor:
-    """Four-direction GSPN line-scan propagation (SPEC section 1.1).
+    """Four-direction GSPN line-scan propagation (docs/spec.md, "The propagation operator").
 
     For direction ``d`` and pixel ``p`` at line position ``q``::
 
@@ -90,10 +111,25 @@ def gspn_propagate(
             with ``C % K == 0`` (``K = 1``: one affinity shared by all channels).
         chunk: ``None`` scans the whole image; an int restarts the scan every ``chunk`` steps, counted
             from each direction's starting edge.
+        kernel: the CUDA kernel family (``auto``, ``fast``, ``general``, ``cluster``); ``None``: the
+            process option (:mod:`gspn2.ops.options`, ``GSPN2_KERNEL``). Ignored on other devices.
     Returns:
         ``(B, 4, C, H, W)`` hidden states of all four directions in the image frame, dtype of ``x``.
     Raises:
         TypeError / ValueError naming the argument on bad input.
+
+    On CUDA tensors the fused kernels run (float64, and ``backend="reference"``, run the differentiable
+    reference instead); elsewhere the reference does.
     """
-    check_propagate_inputs(x, lam, gates, chunk)
-    return torch.ops.gspn2.propagate(x, lam, gates, chunk)
+    opts = _options.current()
+    if chunk is not None:
+        check_chunk(chunk)  # before the schema's 64-bit int can overflow
+    if isinstance(x, torch.Tensor) and x.is_cuda and (x.dtype == torch.float64 or opts.backend == "reference"):
+        check_propagate_inputs(x, lam, gates, chunk)
+        return gspn_propagate_ref(x, lam, gates, chunk)
+    for name, t in (("x", x), ("lam", lam), ("gates", gates)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gspn_propagate: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    return torch.ops.gspn2.propagate.default(
+        x, lam, gates, chunk, opts.kernel if kernel is None else kernel, opts.cluster_ctas
+    )

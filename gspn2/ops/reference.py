@@ -3,7 +3,7 @@
 Everything here is plain differentiable PyTorch, vectorised over batch, channels and the line; the only
 Python loop runs over scan steps. It serves three purposes:
 
-* it defines the semantics (``../shared/SPEC.md`` section 1.1) that every other backend must match;
+* it defines the semantics (``docs/spec.md``, "The propagation operator") that every other backend must match;
 * it is the CPU implementation of the ``gspn2::propagate`` custom op;
 * :func:`gspn_propagate_backward_ref` is the explicit reverse scan (the adjoint recurrence) that the
   custom op uses for its backward on CPU, and that the CUDA kernel's backward is checked against.
@@ -62,12 +62,16 @@ def _from_canonical(t: torch.Tensor, d: int) -> torch.Tensor:
     return t.flip(-1).transpose(-1, -2)
 
 
-def _valid_mask(L: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``(3, L, 1)`` mask: neighbour offset ``o = k - 1`` of line position ``q`` is inside the line."""
+def _valid_mask(L: int, device: torch.device) -> torch.Tensor:
+    """``(3, L, 1)`` bool mask: neighbour offset ``o = k - 1`` of line position ``q`` is inside the line.
+
+    Used with ``torch.where``, not as a factor, so that a non-finite logit of a neighbour outside the line
+    (which the normalisation ignores) cannot leak in as ``nan * 0``.
+    """
     q = torch.arange(L, device=device)
     offsets = torch.arange(-1, 2, device=device)
     inside = (q[None, :] + offsets[:, None] >= 0) & (q[None, :] + offsets[:, None] < L)
-    return inside.to(dtype)[:, :, None]
+    return inside[:, :, None]
 
 
 def normalize_gates(gates: torch.Tensor, line_dim: int = -2) -> torch.Tensor:
@@ -81,7 +85,7 @@ def normalize_gates(gates: torch.Tensor, line_dim: int = -2) -> torch.Tensor:
         with ``m_k`` the mask of neighbours inside the line.
     """
     assert line_dim == -2, "canonical frame puts the line axis at dim -2"
-    a = torch.sigmoid(gates) * _valid_mask(gates.shape[-2], gates.device, gates.dtype)[:, None]
+    a = torch.where(_valid_mask(gates.shape[-2], gates.device)[:, None], torch.sigmoid(gates), 0.0)
     return a / torch.clamp_min(a.sum(dim=-4, keepdim=True), NORM_EPS)
 
 
@@ -196,7 +200,8 @@ def gspn_propagate_backward_ref(
     for d in range(4):
         gd = _to_canonical(gates[:, d], d)  # (B, 3, K, L, S)
         sig = torch.sigmoid(gd)
-        a = sig * _valid_mask(gd.shape[-2], gd.device, gd.dtype)[:, None]
+        mask = _valid_mask(gd.shape[-2], gd.device)[:, None]
+        a = torch.where(mask, sig, 0.0)
         total = a.sum(dim=1, keepdim=True)
         denom = torch.clamp_min(total, NORM_EPS)
         w = (a / denom).unsqueeze(3)  # (B, 3, K, 1, L, S)
@@ -229,8 +234,7 @@ def gspn_propagate_backward_ref(
         dot = (gw * a).sum(dim=1, keepdim=True)
         through_sum = (total >= NORM_EPS).to(ct)
         grad_a = gw / denom - through_sum * dot / denom**2
-        mask = _valid_mask(gd.shape[-2], gd.device, gd.dtype)[:, None]
-        grad_gates[:, d] = _from_canonical(grad_a * mask * sig * (1 - sig), d)
+        grad_gates[:, d] = _from_canonical(torch.where(mask, grad_a * sig * (1 - sig), 0.0), d)
     return (
         grad_x.reshape(B, C, H, W).to(dtypes[0]),
         grad_lam.reshape(B, 4, C, H, W).to(dtypes[1]),

@@ -6,8 +6,9 @@ import os
 import shutil
 
 import pytest
+import torch
 
-from gspn2.ops import _cuda
+from gspn2.ops import _cuda, options
 
 
 def _nvcc_present() -> bool:
@@ -26,15 +27,20 @@ def test_extension_built_and_imports():
         f"nvcc is present but gspn2._C did not import ({_cuda.extension_error()}); "
         "rebuild with `pip install --no-build-isolation -e .`"
     )
-    for name in ("forward", "backward", "plan"):
+    for name in ("plan", "limits"):
         assert callable(getattr(_cuda._C, name))
+    # Importing the extension registered the CUDA kernels of every gspn2 op, and their autograd in C++.
+    for op in ("propagate", "propagate_backward", "depthwise_conv2d", "depthwise_conv2d_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gspn2::{op}", "CUDA"), op
+    for op in ("propagate", "depthwise_conv2d"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gspn2::{op}", "AutogradCUDA"), op
 
 
 @pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
 @pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
-def test_kernel_choice(monkeypatch):
+def test_kernel_choice():
     """Planning needs no GPU: lines of up to 1024 pixels take the streaming kernels, longer ones the
-    general kernels; GSPN2_KERNEL forces a family and is validated."""
+    general kernels; the `kernel` argument forces a family and is validated."""
     model = _cuda.plan(128, 2, 56, 56, 1, "bfloat16")
     assert model["kernel"] == "fast" and model["cs"] == 2 and model["blocks"] == 512
     # Few blocks (B = 1, shared gates): one channel per block rather than idle SMs.
@@ -42,24 +48,22 @@ def test_kernel_choice(monkeypatch):
     big = _cuda.plan(16, 2, 1024, 1024, 2, "float32")
     assert big["kernel"] == "fast" and big["threads"] == 1024 and big["cs"] == 1 and big["tile_h"]
     assert _cuda.plan(1, 2, 1100, 3, 1, "float32")["kernel"] == "general"
-    monkeypatch.setenv("GSPN2_KERNEL", "fast")
-    with pytest.raises(ValueError, match="GSPN2_KERNEL=fast.*1024"):
-        _cuda.plan(1, 2, 1100, 3, 1, "float32")
-    monkeypatch.setenv("GSPN2_KERNEL", "bogus")
-    with pytest.raises(ValueError, match="GSPN2_KERNEL must be one of"):
-        _cuda.plan(1, 2, 10, 10, 1, "float32")
+    with pytest.raises(ValueError, match="kernel='fast'.*1024"):
+        _cuda.plan(1, 2, 1100, 3, 1, "float32", kernel="fast")
+    with pytest.raises(ValueError, match="`kernel` must be 'auto', 'fast', 'general' or 'cluster'"):
+        _cuda.plan(1, 2, 10, 10, 1, "float32", kernel="FAST")
 
 
 @pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
 @pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
-def test_cluster_kernel_choice(monkeypatch):
+def test_cluster_kernel_choice():
     """Under auto (planned as on an H200 here) the horizontal directions go to the cluster kernels: the
     float32 forward for H >= 768, the backward (every dtype) for B * C * H * W >= 2^20; the fewest CTAs per
     line, doubled while SMs would idle; never the 16-bit forward, W not a multiple of its tile, or smaller
     problems.
-    GSPN2_KERNEL=cluster forces it and names what it needs."""
-    monkeypatch.delenv("GSPN2_KERNEL", raising=False)
-    assert _cuda.CLUSTER_AUTO_MIN_LINE == 768 and _cuda.CLUSTER_AUTO_MIN_ELEMS_BWD == 1 << 20
+    kernel="cluster" forces it and names what it needs."""
+    lim = _cuda.limits()
+    assert lim["cluster_auto_min_line"] == 768 and lim["cluster_auto_min_elems_bwd"] == 1 << 20
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 2  # 128 CTAs on 132 SMs
     assert _cuda.plan(4, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 8  # 16 lines: doubled twice
     assert _cuda.plan(16, 2, 768, 768, 2, "float32")["cluster_ctas"] == 2
@@ -76,48 +80,69 @@ def test_cluster_kernel_choice(monkeypatch):
         assert _cuda.plan(*args, "float32")["cluster_ctas"] == 0, args  # the forward: H < 768
     assert _cuda.plan(64, 2, 128, 128, 2, "bfloat16", backward=True)["cluster_ctas"] == 2
     # 16-bit: also H >= 64 (bf16 32 x 49 x 32^2, 1.6 M elements, measured slower with the cluster kernel)
-    assert _cuda.CLUSTER_AUTO_MIN_LINE_BWD_16BIT == 64
+    assert lim["cluster_auto_min_line_bwd_16bit"] == 64
     assert _cuda.plan(32, 49, 32, 32, 49, "bfloat16", backward=True)["cluster_ctas"] == 0
     assert _cuda.plan(128, 8, 64, 64, 1, "bfloat16", backward=True)["cluster_ctas"] == 2
     for args in [(16, 2, 128, 128, 2, "float32"), (1, 8, 256, 256, 1, "float32"), (16, 2, 128, 128, 2, "bfloat16")]:
         assert _cuda.plan(*args, backward=True)["cluster_ctas"] == 0, args
-    monkeypatch.setenv("GSPN2_KERNEL", "fast")
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 0
-    monkeypatch.setenv("GSPN2_KERNEL", "cluster")
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", kernel="fast")["cluster_ctas"] == 0
+    options.set_options(kernel="cluster")  # the process option fills `kernel` (restored by the fixture)
     assert _cuda.plan(2, 2, 40, 16, 1, "float32")["cluster_ctas"] > 0  # any height
     assert _cuda.plan(8, 2, 512, 512, 2, "float32")["cluster_ctas"] == 4  # 32 lines x 2 CTAs < 0.9 x 132 SMs
     assert _cuda.plan(1, 8, 256, 256, 8, "float32")["cluster_ctas"] == 8
     assert _cuda.plan(8, 2, 512, 512, 2, "float32", backward=True)["cluster_ctas"] == 4
     assert _cuda.plan(2, 2, 40, 16, 1, "bfloat16")["cluster_ctas"] > 0  # forced: the forward in 16-bit too
     assert _cuda.plan(2, 2, 40, 16, 1, "bfloat16", backward=True)["cluster_ctas"] > 0
-    with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*multiple of 16"):
+    with pytest.raises(ValueError, match="kernel='cluster'.*multiple of 16"):
         _cuda.plan(2, 2, 40, 24, 1, "float32")
-    with pytest.raises(ValueError, match="GSPN2_KERNEL=cluster.*1024"):
+    with pytest.raises(ValueError, match="kernel='cluster'.*1024"):
         _cuda.plan(1, 2, 1100, 32, 1, "float32")
     with pytest.raises(ValueError, match="`dtype` must be"):
         _cuda.plan(1, 2, 10, 10, 1, "fp32")
-    # GSPN2_CLUSTER_CTAS (benchmarks) overrides the count where the rows fit, and is validated.
-    monkeypatch.setenv("GSPN2_CLUSTER_CTAS", "4")
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 4
-    for bad in ("3", "x"):
-        monkeypatch.setenv("GSPN2_CLUSTER_CTAS", bad)
-        with pytest.raises(ValueError, match="GSPN2_CLUSTER_CTAS must be 2, 4 or 8"):
-            _cuda.plan(16, 2, 1024, 1024, 2, "float32")
+    # `cluster_ctas` (benchmarks) overrides the count where the rows fit, and is validated.
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", cluster_ctas=4)["cluster_ctas"] == 4
+    with pytest.raises(ValueError, match="`cluster_ctas` must be 0"):
+        _cuda.plan(16, 2, 1024, 1024, 2, "float32", cluster_ctas=3)
+    with pytest.raises(ValueError, match="`cluster_ctas` = 2 leaves more than 128 rows"):
+        _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True, cluster_ctas=2)
 
 
-def test_backend_env_is_validated(monkeypatch):
-    monkeypatch.setenv(_cuda.BACKEND_ENV, "reference")
-    assert _cuda.backend() == "reference"
-    monkeypatch.setenv(_cuda.BACKEND_ENV, "nonsense")
-    with pytest.raises(ValueError, match=_cuda.BACKEND_ENV):
-        _cuda.backend()
+@pytest.fixture(autouse=True)
+def _restore_options():
+    saved = options.current()
+    yield
+    options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
 
 
-def test_cpu_tensors_run_the_reference(monkeypatch):
-    import torch
+def test_options_parse_the_environment_once_and_strictly():
+    assert options.from_env({}) == options.Options()
+    got = options.from_env({"GSPN2_BACKEND": " Reference ", "GSPN2_KERNEL": "FAST", "GSPN2_DWCONV": ""})
+    assert (got.backend, got.kernel, got.dwconv) == ("reference", "fast", "auto")
+    for var in ("GSPN2_BACKEND", "GSPN2_KERNEL", "GSPN2_DWCONV"):
+        with pytest.raises(ValueError, match=var):
+            options.from_env({var: "nonsense"})
+    with pytest.raises(ValueError, match="`kernel`"):
+        options.set_options(kernel="bogus")
+    with pytest.raises(ValueError, match="`cluster_ctas`"):
+        options.set_options(cluster_ctas=3)
+    with pytest.raises(TypeError, match="unknown gspn2 option"):
+        options.set_options(kernal="fast")
+    with options.override(kernel="general") as o:
+        assert o.kernel == options.kernel_family() == "general"
+    assert options.kernel_family() == "auto"
 
+
+def test_op_arguments_are_validated_on_cpu():
+    x, lam, gates = torch.randn(1, 2, 3, 4), torch.randn(1, 4, 2, 3, 4), torch.randn(1, 4, 3, 1, 3, 4)
+    with pytest.raises(ValueError, match="`kernel` must be"):
+        torch.ops.gspn2.propagate(x, lam, gates, None, "FAST", 0)
+    with pytest.raises(ValueError, match="`cluster_ctas` must be"):
+        torch.ops.gspn2.propagate(x, lam, gates, None, "auto", 5)
+
+
+def test_cpu_tensors_run_the_reference():
     from gspn2.ops import gspn_propagate, gspn_propagate_ref
 
-    monkeypatch.setenv(_cuda.BACKEND_ENV, "nonsense")  # never consulted on CPU
+    options.set_options(backend="reference", kernel="general")  # neither is consulted on CPU
     x, lam, gates = torch.randn(1, 2, 3, 4), torch.randn(1, 4, 2, 3, 4), torch.randn(1, 4, 3, 1, 3, 4)
     torch.testing.assert_close(gspn_propagate(x, lam, gates), gspn_propagate_ref(x, lam, gates))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gspn2  # noqa: F401  (registers the ops)
-from gspn2.ops import _cuda, gspn_propagate, gspn_propagate_backward_ref, gspn_propagate_ref
+from gspn2.ops import _cuda, gspn_propagate, gspn_propagate_backward_ref, gspn_propagate_ref, options
 
 pytestmark = [
     pytest.mark.cuda,
@@ -15,6 +15,14 @@ pytestmark = [
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _restore_options():
+    saved = options.current()
+    yield
+    options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
+
 
 # float32: relative error ||kernel - ref64|| / ||ref64|| allowed per output, kept in one place.
 FP32_TOL = {"h": 1e-5, "grad_x": 2e-5, "grad_lam": 2e-5, "grad_gates": 1e-4}
@@ -141,13 +149,13 @@ GENERAL_CASES = [(2, 4, 9, 13, 4, 3), (1, 32, 6, 8, 1, None), (1, 2, 200, 300, 1
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", GENERAL_CASES, ids=_ids)
-def test_general_kernels_match_float64_reference(case, dtype, monkeypatch):
-    monkeypatch.setenv("GSPN2_KERNEL", "general")
+def test_general_kernels_match_float64_reference(case, dtype):
+    options.set_options(kernel="general")
     assert _cuda.plan(*case[:4], case[4], str(dtype).split(".")[1])["kernel"] == "general"
     test_matches_float64_reference(case, dtype)
 
 
-# The cluster kernels (horizontal directions, forward and backward; GSPN2_KERNEL=cluster forces them on any
+# The cluster kernels (horizontal directions, forward and backward; kernel="cluster" forces them on any
 # height): 2, 4 and 8 CTAs per line, heights that are not a multiple of its row blocks, CTAs without own
 # rows (H = 1, 20), one tile (W = 16), chunk restarts inside and at tile edges, K < C.
 CLUSTER_CASES = [
@@ -162,16 +170,16 @@ CLUSTER_CASES = [
 
 
 @pytest.mark.parametrize("case", CLUSTER_CASES, ids=_ids)
-def test_cluster_kernel_matches_reference_and_streaming(case, monkeypatch):
+def test_cluster_kernel_matches_reference_and_streaming(case):
     B, C, H, W, K, chunk = case
-    monkeypatch.setenv("GSPN2_KERNEL", "cluster")
+    options.set_options(kernel="cluster")
     ncta = _cuda.plan(B, C, H, W, K, "float32")["cluster_ctas"]
     assert ncta in (2, 4, 8)
     test_matches_float64_reference(case, torch.float32)  # the horizontal directions in the cluster kernels
     assert _cuda.plan(B, C, H, W, K, "float32", backward=True)["cluster_ctas"] in (2, 4, 8)
     x, lam, gates, grad_h = _inputs(B, C, H, W, K, torch.float32, seed=3)
     got = _run_kernel(x, lam, gates, grad_h, chunk)
-    monkeypatch.setenv("GSPN2_KERNEL", "fast")
+    options.set_options(kernel="fast")
     assert _cuda.plan(B, C, H, W, K, "float32")["cluster_ctas"] == 0
     # Same arithmetic in the same order per pixel: bitwise equal to the streaming kernels, forward and
     # backward (grad_x and the gate gradients of groups summed by the same reduce pass).
@@ -182,28 +190,28 @@ def test_cluster_kernel_matches_reference_and_streaming(case, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", [CLUSTER_CASES[i] for i in (0, 2, 3, 4)], ids=_ids)
-def test_cluster_kernels_16bit(case, dtype, monkeypatch):
+def test_cluster_kernels_16bit(case, dtype):
     """16-bit inputs (32-byte rows) through both cluster kernels: within the low-precision bound of the
     float64 reference, and bitwise equal to the streaming kernels, forward and every gradient (grad_lam in
     the input dtype, the grad_x terms and gate partials in fp32, unsplit gate gradients in the input dtype)."""
     B, C, H, W, K, chunk = case
     name = str(dtype).split(".")[1]
-    monkeypatch.setenv("GSPN2_KERNEL", "cluster")
+    options.set_options(kernel="cluster")
     assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] > 0
     assert _cuda.plan(B, C, H, W, K, name, backward=True)["cluster_ctas"] > 0
     test_matches_float64_reference(case, dtype)
     inputs = _inputs(B, C, H, W, K, dtype, seed=5)
     _poison_cuda_cache()
     got = _run_kernel(*inputs, chunk)
-    monkeypatch.setenv("GSPN2_KERNEL", "fast")
+    options.set_options(kernel="fast")
     want = _run_kernel(*inputs, chunk)
     for name_, u, v in zip(NAMES, got, want):
         assert torch.equal(u, v), name_
 
 
-def test_cluster_kernel_deterministic_and_chosen_by_auto(monkeypatch):
+def test_cluster_kernel_deterministic_and_chosen_by_auto():
     """auto: the forward's cluster kernel from H = 768, the backward's by problem size."""
-    monkeypatch.delenv("GSPN2_KERNEL", raising=False)
+    options.set_options(kernel="auto")
     assert _cuda.plan(1, 2, 768, 32, 2, "float32")["cluster_ctas"] == 8
     x, lam, gates, _ = _inputs(1, 2, 768, 32, 2, torch.float32, seed=4)
     xs, ls, gs = (t.cuda() for t in (x, lam, gates))
@@ -260,10 +268,10 @@ def test_non_contiguous_and_misaligned_inputs():
 def test_opcheck(chunk):
     x, lam, gates, grad_h = _inputs(1, 4, 5, 6, 2, torch.float32, seed=9)
     xs, ls, gs = (t.cuda().requires_grad_(True) for t in (x, lam, gates))
-    torch.library.opcheck(torch.ops.gspn2.propagate.default, (xs, ls, gs, chunk))
+    torch.library.opcheck(torch.ops.gspn2.propagate.default, (xs, ls, gs, chunk, "auto", 0))
     xs, ls, gs = (t.cuda() for t in (x, lam, gates))
     h = gspn_propagate(xs, ls, gs, chunk)
-    torch.library.opcheck(torch.ops.gspn2.propagate_backward.default, (grad_h.cuda(), xs, ls, gs, h, chunk))
+    torch.library.opcheck(torch.ops.gspn2.propagate_backward.default, (grad_h.cuda(), xs, ls, gs, h, chunk, "auto", 0))
 
 
 def test_torch_compile_fullgraph():
@@ -289,49 +297,69 @@ def test_float64_runs_the_reference_and_gradcheck():
     assert torch.autograd.gradcheck(lambda a, b, c: gspn_propagate(a, b, c, 2), args)
 
 
-def test_reference_backend_env(monkeypatch):
+def test_reference_backend_option():
     x, lam, gates, _ = _inputs(1, 2, 5, 6, 1, torch.float32, seed=12)
-    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
-    monkeypatch.setenv(_cuda.BACKEND_ENV, "reference")
-    with pytest.warns(UserWarning, match="reference"):
-        _cuda._announced.discard("reference")
+    xs, ls, gs = (t.cuda().requires_grad_(True) for t in (x, lam, gates))
+    with options.override(backend="reference"):
         h_ref = gspn_propagate(xs, ls, gs)
-    monkeypatch.setenv(_cuda.BACKEND_ENV, "auto")
+    assert h_ref.grad_fn is not None and "gspn2" not in type(h_ref.grad_fn).__name__.lower()
     torch.testing.assert_close(gspn_propagate(xs, ls, gs), h_ref, rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv(_cuda.BACKEND_ENV, "bogus")
-    with pytest.raises(ValueError, match="GSPN2_BACKEND"):
-        gspn_propagate(xs, ls, gs)
 
 
 def test_checks_name_the_tensor():
+    """The C++ checks of the CUDA implementation (also reached by calling torch.ops.gspn2.propagate directly)."""
     x, lam, gates, _ = _inputs(1, 4, 5, 6, 2, torch.float32, seed=13)
     xs, ls, gs = (t.cuda() for t in (x, lam, gates))
-    with pytest.raises(ValueError, match=r"`lam` must have shape \(B, 4, C, H, W\) = \(1, 4, 4, 5, 6\)"):
-        _cuda.forward(xs, ls[:, :, :, :4], gs, None)
+    op, bwd = torch.ops.gspn2.propagate, torch.ops.gspn2.propagate_backward
+    with pytest.raises(ValueError, match=r"`lam` must have shape \(B, 4, C, H, W\) = \[1, 4, 4, 5, 6\]"):
+        gspn_propagate(xs, ls[:, :, :, :4], gs)
     with pytest.raises(ValueError, match=r"`gates` must have shape"):
-        _cuda.forward(xs, ls, gs[:, :3], None)
-    with pytest.raises(ValueError, match=r"one device"):
-        _cuda.forward(x, ls, gs, None)
-    with pytest.raises(TypeError, match=r"one dtype"):
-        _cuda.forward(xs, ls, gs.half(), None)
-    h = _cuda.forward(xs, ls, gs, None)
+        op(xs, ls, gs[:, :3], None, "auto", 0)
+    with pytest.raises(ValueError, match=r"`x` must be a CUDA tensor"):
+        op(x, ls, gs, None, "auto", 0)
+    with pytest.raises(TypeError, match=r"`gates` must have dtype"):
+        op(xs, ls, gs.half(), None, "auto", 0)
+    with pytest.raises(TypeError, match=r"`x` must be float32, float16 or bfloat16"):
+        op(xs.int(), ls.int(), gs.int(), None, "auto", 0)
+    with pytest.raises(ValueError, match=r"`chunk` must be None or >= 1"):
+        op(xs, ls, gs, -1, "auto", 0)
+    with pytest.raises(ValueError, match=r"`kernel` must be"):
+        op(xs, ls, gs, None, "FAST", 0)
+    with pytest.raises(ValueError, match=r"`gates` must have shape"):
+        op(xs, ls, gs[:, :, :, :, :, :1], None, "auto", 0)  # no silent broadcast
+    h = op(xs, ls, gs, None, "auto", 0)
     with pytest.raises(ValueError, match=r"`grad_h` must have shape"):
-        _cuda.backward(h[:, :2], xs, ls, gs, h, None)
+        bwd(h[:, :2], xs, ls, gs, h, None, "auto", 0)
+
+
+def test_no_nan_leak_from_gates_outside_the_line():
+    """A non-finite logit of a neighbour outside the line is ignored by the normalisation, in the kernels too."""
+    for dtype in DTYPES:
+        x, lam, gates, grad_h = _inputs(2, 2, 7, 9, 1, dtype, seed=14)
+        gates = gates.clone()
+        gates[:, 0:2, 0, :, 0, :] = float("nan")  # offset -1 of line position 0 (lines are columns)
+        gates[:, 0:2, 2, :, -1, :] = float("inf")  # offset +1 of the last position
+        gates[:, 2:4, 0, :, :, 0] = float("nan")  # rows: offset -1 of column 0
+        got = _run_kernel(x, lam, gates, grad_h, None)
+        for name, g in zip(NAMES, got):
+            assert torch.isfinite(g).all(), (dtype, name)
 
 
 _HOST_CHECK_SCRIPT = """
 import torch, gspn2
-from gspn2.ops import _cuda
 x = torch.randn(1, 4, 5, 6, device="cuda")
 lam = torch.randn(1, 4, 4, 5, 6, device="cuda")
 gates = torch.randn(1, 4, 3, 2, 5, 6, device="cuda")
-print(_cuda._C.forward(x, lam[..., :4], gates, None)[1])
-print(_cuda._C.forward(x.cpu(), lam, gates, None)[1])
+for args in ((x, lam[..., :4], gates), (x.cpu(), lam, gates)):
+    try:
+        torch.ops.gspn2.propagate(*args, None, "auto", 0)
+    except ValueError as e:
+        print(str(e).splitlines()[0])
 """
 
 
 def test_cpp_checks_name_the_tensor():
-    """The extension's own checks (reached only by calling gspn2._C directly), in a subprocess."""
+    """C++ exceptions from the extension reach Python as ValueError (not a crash), in a subprocess."""
     import subprocess
     import sys
 

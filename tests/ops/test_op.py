@@ -65,11 +65,11 @@ def test_op_gradients_match_reference_autograd():
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_opcheck(chunk):
     x, lam, gates = make_inputs(1, 2, 3, 4, 1, requires_grad=True, seed=13)
-    torch.library.opcheck(torch.ops.gspn2.propagate.default, (x, lam, gates, chunk))
+    torch.library.opcheck(torch.ops.gspn2.propagate.default, (x, lam, gates, chunk, "auto", 0))
     x, lam, gates = make_inputs(1, 2, 3, 4, 1, seed=13)
     h = gspn_propagate(x, lam, gates, chunk)
     torch.library.opcheck(
-        torch.ops.gspn2.propagate_backward.default, (torch.randn_like(h), x, lam, gates, h, chunk)
+        torch.ops.gspn2.propagate_backward.default, (torch.randn_like(h), x, lam, gates, h, chunk, "auto", 0)
     )
 
 
@@ -136,5 +136,50 @@ def test_backward_returns_contiguous_gradients_for_strided_inputs():
     xs = x.transpose(-1, -2).contiguous().transpose(-1, -2)
     gs = gates.transpose(-1, -2).contiguous().transpose(-1, -2)
     h = gspn_propagate(xs, lam, gs)
-    grads = torch.ops.gspn2.propagate_backward(torch.randn_like(h), xs, lam, gs, h, None)
+    grads = torch.ops.gspn2.propagate_backward(torch.randn_like(h), xs, lam, gs, h, None, "auto", 0)
     assert all(g.is_contiguous() for g in grads)
+
+
+_SCHEMA_BOUND = ("chunk float", "chunk bool", "not a tensor")  # refused by the schema before any check runs
+
+
+@pytest.mark.parametrize("case", [c for c in _bad_cases() if c[0] not in _SCHEMA_BOUND], ids=lambda c: c[0])
+def test_direct_op_calls_run_the_same_checks(case):
+    """torch.ops.gspn2.propagate called directly checks its inputs like the public function."""
+    _, args, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        torch.ops.gspn2.propagate(*args, "auto", 0)
+
+
+def test_more_bad_inputs_are_refused():
+    x, lam, gates = _good()
+    with pytest.raises(ValueError, match=r"`chunk` must be below 2\^63"):
+        gspn_propagate(x, lam, gates, 2**64)
+    with pytest.raises(TypeError, match=r"`x` must be a dense \(strided\) tensor"):
+        gspn_propagate(x.to_sparse(), lam, gates)
+    with pytest.raises(ValueError, match=r"`gates`"):
+        gspn_propagate(x, lam, gates[:, :, :, :, :1])  # would broadcast over H; refused
+    with pytest.raises(ValueError, match=r"`kernel` must be"):
+        gspn_propagate(x, lam, gates, kernel="FAST")
+
+
+def test_clear_error_under_torch_compile_fullgraph():
+    x, lam, gates = _good()
+    f = torch.compile(lambda a, b, c: gspn_propagate(a, b, c), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"`lam` must have shape \(B, 4, C, H, W\)"):
+        f(x, lam[..., :4], gates)
+
+
+def test_nan_logit_outside_the_line_does_not_leak():
+    """The normalisation ignores neighbours outside the line, so their logits (even NaN / inf) never matter."""
+    x, lam, gates = make_inputs(1, 2, 5, 6, 1, dtype=torch.float64, requires_grad=False, seed=21)
+    bad = gates.clone()
+    bad[:, 0:2, 0, :, 0, :] = float("nan")  # offset -1 at line position 0 (columns)
+    bad[:, 0:2, 2, :, -1, :] = float("inf")  # offset +1 at the last position
+    bad[:, 2:4, 0, :, :, 0] = float("nan")  # rows
+    bad[:, 2:4, 2, :, :, -1] = -float("inf")
+    bad.requires_grad_()
+    h = gspn_propagate(x, lam, bad)
+    torch.testing.assert_close(h, gspn_propagate(x, lam, gates))
+    (g,) = torch.autograd.grad(h.sum(), bad)
+    assert torch.isfinite(g).all()

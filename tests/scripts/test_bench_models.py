@@ -45,10 +45,12 @@ def test_markdown_and_ratios(bench):
 
 
 
-def test_environment_names_the_gspn2_backend(bench, monkeypatch):
-    monkeypatch.setenv("GSPN2_KERNEL", "general")
-    described = bench._gspn2_backend()
-    assert "GSPN2_BACKEND=auto" in described and "GSPN2_KERNEL=general" in described
+def test_environment_names_the_gspn2_backend(bench):
+    from gspn2.ops import options
+
+    with options.override(kernel="general", dwconv="cudnn"):
+        described = bench._gspn2_backend()
+    assert "backend=auto" in described and "kernel=general" in described and "dwconv=cudnn" in described
 
 
 def test_results_round_trip_through_json_and_render_without_a_gpu(bench, tmp_path, monkeypatch):

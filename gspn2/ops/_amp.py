@@ -1,4 +1,4 @@
-"""Autocast queries that ``torch.compile`` can trace.
+"""Autocast queries that ``torch.compile`` can trace, and the dtype helper the ops and layers share.
 
 ``torch.amp.is_autocast_available`` ends in a C function Dynamo does not trace (torch 2.11: a graph break in
 every LayerNorm, then a recompile per channel count until the recompile limit sends the rest of the
@@ -9,10 +9,11 @@ inside a compiled region is a constant set lookup.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
-__all__ = ["autocast_enabled", "autocast_off"]
+__all__ = ["autocast_enabled", "autocast_off", "cast_optional"]
 
 
 def _autocast_device_types() -> frozenset:
@@ -39,3 +40,8 @@ def autocast_off(device_type: str):
     if device_type in _AUTOCAST_DEVICE_TYPES:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def cast_optional(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``t.to(dtype)``, or None for None (an optional bias)."""
+    return t.to(dtype) if t is not None else None

@@ -1,27 +1,29 @@
 """Depthwise convolution on channels-last memory: ``conv(x) + bias [+ x] [then SiLU]`` as one custom op.
 
-cuDNN's depthwise kernels on channels_last bf16 tensors were the largest single cost of a GSPN-2 training
-step (docs/benchmarks.md, "Where a training step goes") and a third of a compiled inference step: every
-block runs three (two 3x3 local perception units on C channels and the mixer's 7x7 on its hidden width).
+cuDNN's depthwise kernels on channels_last bf16 tensors are a large share of a GSPN-2 step: every block runs
+three (two 3x3 local perception units on C channels and the mixer's 7x7 on its hidden width).
 :func:`depthwise_conv2d` computes the same function with gspn2's CUDA kernels (``gspn2/csrc/dwconv_kernel.cu``:
 forward, input gradient, weight and bias gradients; float32 weights and accumulation; deterministic) and
-optionally adds the input (the ``x + DWConv(x)`` residual) or applies SiLU in the same pass. Registered as
-``gspn2::depthwise_conv2d`` with a fake implementation and autograd, so ``torch.compile(fullgraph=True)``
-keeps it as one opaque call.
+optionally adds the input (the ``x + DWConv(x)`` residual) or applies SiLU in the same pass.
 
-Backend, per call, on CUDA tensors (``GSPN2_DWCONV``):
+Ops (schemas here; the CUDA implementations and their autograd are registered in C++, ``gspn2/csrc/dwconv.cpp``;
+every other device runs ``F.conv2d`` / ``aten.convolution_backward`` with the autograd formula below):
 
-* ``auto`` (default): the CUDA kernel for channels_last float32/float16/bfloat16 inputs with K = 3 when
-  the extension is built (the local perception units: there it measured 1.7-2.3x faster than cuDNN plus the
-  residual add in the forward, 0.8-1.7x its speed in the backward, and +7% eager inference, +4% compiled
-  training for gspn2_tiny; docs/benchmarks.md, "Session 7"); ``F.conv2d``
-  (cuDNN) otherwise, called directly so that ``torch.compile`` sees a plain convolution. The 5x5 and 7x7
-  kernels measured 0.8-1.1x cuDNN, so ``auto`` leaves those to cuDNN.
+* ``gspn2::depthwise_conv2d(x, weight, bias, add_input, silu, tile, vec) -> y`` (``y`` has ``x``'s strides)
+* ``gspn2::depthwise_conv2d_backward(grad_y, x, weight, has_bias, add_input, tile, vec) -> (grad_x, grad_w, grad_b)``
+
+``tile`` and ``vec`` choose the kernel variant (output pixels and channels per thread, 4 or 8 each).
+
+The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
+
+* ``auto`` (default): the CUDA kernel for channels_last float32/float16/bfloat16 inputs with K = 3 when the
+  extension is built (the local perception units, where it measured faster than cuDNN plus the residual add;
+  docs/benchmarks.md), ``F.conv2d`` (cuDNN) otherwise, called directly so that ``torch.compile`` sees a
+  plain convolution. The 5x5 and 7x7 kernels measured 0.8-1.1x cuDNN, so ``auto`` leaves those to cuDNN.
 * ``cuda``: the kernel for every K in {3, 5, 7}, and an error where it cannot run.
-* ``cudnn``: always ``F.conv2d`` / ``aten.convolution_backward`` (comparisons, debugging).
+* ``cudnn``: always ``F.conv2d`` (comparisons, debugging).
 
-The choice is made when the call is traced: under ``torch.compile``, set ``GSPN2_DWCONV`` before compiling.
-On CPU (and every other device) the op runs ``F.conv2d``.
+The choice is made when the call is traced: under ``torch.compile``, set the option before compiling.
 
     >>> y = depthwise_conv2d(x, conv.weight, conv.bias, add_input=True)   # x + conv(x)
 """
@@ -33,64 +35,79 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gspn2.layers._amp import autocast_enabled
-from gspn2.layers.pointwise import _cast
-from gspn2.ops._cuda import _C, _checked, env_choice  # the extension (None when not built), its error protocol
+from gspn2.ops import _cuda
+from gspn2.ops import options as _options
+from gspn2.ops._amp import autocast_enabled, cast_optional
 
-__all__ = ["AUTO_KERNEL_SIZES", "DWCONV_ENV", "KERNEL_SIZES", "depthwise_conv2d", "dwconv_backend", "kernel_available"]
+__all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_available"]
 
-#: Environment variable that selects the depthwise-convolution backend on CUDA tensors.
-DWCONV_ENV = "GSPN2_DWCONV"
-_CHOICES = ("auto", "cuda", "cudnn")
-#: Kernel sizes the CUDA kernel implements (gspn2/csrc/dwconv.h) ...
+#: Kernel sizes the CUDA kernel implements (gspn2/csrc/dwconv.h; ``gspn2.ops._cuda.limits()`` reads them) ...
 KERNEL_SIZES = (3, 5, 7)
-#: ... and those ``GSPN2_DWCONV=auto`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
+#: ... and those ``dwconv="auto"`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
 AUTO_KERNEL_SIZES = (3,)
 
-def dwconv_backend() -> str:
-    """The backend requested by ``GSPN2_DWCONV`` (``auto``, ``cuda`` or ``cudnn``)."""
-    return env_choice(DWCONV_ENV, _CHOICES)
+_LIB = torch.library.Library("gspn2", "FRAGMENT")
+_LIB.define(
+    "depthwise_conv2d(Tensor x, Tensor weight, Tensor? bias, bool add_input, bool silu, int tile, "
+    "int vec) -> Tensor"
+)
+_LIB.define(
+    "depthwise_conv2d_backward(Tensor grad_y, Tensor x, Tensor weight, bool has_bias, bool add_input, int tile, "
+    "int vec) -> (Tensor, Tensor, Tensor)"
+)
 
 
 def kernel_available() -> bool:
     """Whether gspn2's CUDA extension, which holds the kernel, is built."""
-    return _C is not None
+    return _cuda.extension_available()
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise ValueError(f"`x` must be a (B, C, H, W) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if name == "bias" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"depthwise_conv2d: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"depthwise_conv2d: `x` must be a (B, C, H, W) tensor, got {tuple(x.shape)}")
     C = x.shape[1]
     if weight.dim() != 4 or weight.shape[0] != C or weight.shape[1] != 1 or weight.shape[2] != weight.shape[3]:
-        raise ValueError(f"`weight` must be (C, 1, K, K) with C = {C} (x's channels), got {tuple(weight.shape)}")
+        raise ValueError(f"depthwise_conv2d: `weight` must be (C, 1, K, K) with C = {C} (x's channels), got {tuple(weight.shape)}")
     if weight.shape[2] % 2 == 0:
-        raise ValueError(f"`weight` must have an odd kernel size ('same' padding K // 2), got K = {weight.shape[2]}")
+        raise ValueError(f"depthwise_conv2d: `weight` must have an odd kernel size ('same' padding K // 2), got K = {weight.shape[2]}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != C):
-        raise ValueError(f"`bias` must be (C,) with C = {C}, got {tuple(bias.shape)}")
+        raise ValueError(f"depthwise_conv2d: `bias` must be (C,) with C = {C}, got {tuple(bias.shape)}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
-            raise ValueError(f"`{name}` is on {t.device}, `x` on {x.device}")
+            raise ValueError(f"depthwise_conv2d: `{name}` is on {t.device}, `x` on {x.device}")
+
+
+def _check_variant(tile: int, vec: int) -> None:
+    for name, v in (("tile", tile), ("vec", vec)):
+        if v not in (4, 8):
+            raise ValueError(f"gspn2: `{name}` must be 4 or 8, got {v}")
 
 
 def _channels_last(t: torch.Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last)
 
 
-def _use_kernel(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> bool:
-    choice = dwconv_backend()
+def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the CUDA kernel computes this call (CUDA tensors; the ``dwconv`` option decides)."""
+    choice = _options.current().dwconv
     if choice == "cudnn":
         return False
     reasons = []
-    if _C is None:
+    if not _cuda.extension_available():
         reasons.append("gspn2's CUDA extension is not built (pip install --no-build-isolation -e .)")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         reasons.append(f"dtype {x.dtype} (the kernel takes float32, float16, bfloat16)")
     if weight.shape[-1] not in KERNEL_SIZES:
         reasons.append(f"kernel size {weight.shape[-1]} (the kernel takes {KERNEL_SIZES})")
-    if not all(_channels_last(t) for t in (x, *others)):
+    if not _channels_last(x):
         reasons.append("an input without channels_last memory")
     if reasons and choice == "cuda":
-        raise ValueError(f"{DWCONV_ENV}=cuda, but the depthwise kernel cannot run: {'; '.join(reasons)}")
+        raise ValueError(f"{_options.DWCONV_ENV}=cuda, but the depthwise kernel cannot run: {'; '.join(reasons)}")
     return not reasons and (choice == "cuda" or weight.shape[-1] in AUTO_KERNEL_SIZES)
 
 
@@ -100,7 +117,7 @@ def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_reference(x, weight, bias, add_input, silu, match_strides=True):
-    y = F.conv2d(x, weight.to(x.dtype), _cast(bias, x.dtype), padding=weight.shape[-1] // 2, groups=x.shape[1])
+    y = F.conv2d(x, weight.to(x.dtype), cast_optional(bias, x.dtype), padding=weight.shape[-1] // 2, groups=x.shape[1])
     if add_input:
         y = y + x
     if silu:
@@ -108,22 +125,17 @@ def _conv_reference(x, weight, bias, add_input, silu, match_strides=True):
     return _like(y, x) if match_strides else y
 
 
-@torch.library.custom_op("gspn2::depthwise_conv2d", mutates_args=())
-def _dwconv(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], add_input: bool, silu: bool
-) -> torch.Tensor:
+@torch.library.impl(_LIB, "depthwise_conv2d", "CompositeExplicitAutograd")
+def _dwconv_reference(x, weight, bias, add_input, silu, tile, vec):
+    _check(x, weight, bias)
+    _check_variant(tile, vec)
     return _conv_reference(x, weight, bias, add_input, silu)
 
 
-@_dwconv.register_kernel("cuda")
-def _dwconv_cuda(x, weight, bias, add_input, silu):
-    if not _use_kernel(x, weight):
-        return _conv_reference(x, weight, bias, add_input, silu)
-    return _checked(_C.dwconv_forward(x, weight, bias, add_input, silu))
-
-
-@_dwconv.register_fake
-def _dwconv_fake(x, weight, bias, add_input, silu):
+@torch.library.register_fake("gspn2::depthwise_conv2d", lib=_LIB)
+def _dwconv_fake(x, weight, bias, add_input, silu, tile, vec):
+    _check(x, weight, bias)
+    _check_variant(tile, vec)
     return torch.empty_like(x)  # same shape, dtype and strides
 
 
@@ -139,32 +151,23 @@ def _backward_reference(grad_y, x, weight, has_bias, add_input):
     return _like(grad_x, x), grad_w.to(weight.dtype).contiguous(), grad_b
 
 
-@torch.library.custom_op("gspn2::depthwise_conv2d_backward", mutates_args=())
-def _dwconv_backward(
-    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, add_input: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.impl(_LIB, "depthwise_conv2d_backward", "CompositeExplicitAutograd")
+def _dwconv_backward_reference(grad_y, x, weight, has_bias, add_input, tile, vec):
+    _check(x, weight, None)
+    _check_variant(tile, vec)
     return _backward_reference(grad_y, x, weight, has_bias, add_input)
 
 
-@_dwconv_backward.register_kernel("cuda")
-def _dwconv_backward_cuda(grad_y, x, weight, has_bias, add_input):
-    if not _use_kernel(x, weight, grad_y):
-        return _backward_reference(grad_y, x, weight, has_bias, add_input)
-    grad_x, grad_w, grad_b = _checked(_C.dwconv_backward(grad_y, x, weight, add_input, True, True))
-    grad_b = grad_b.to(weight.dtype) if has_bias else weight.new_zeros(weight.shape[0])
-    return grad_x, grad_w.to(weight.dtype).contiguous(), grad_b
-
-
-@_dwconv_backward.register_fake
-def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input):
+@torch.library.register_fake("gspn2::depthwise_conv2d_backward", lib=_LIB)
+def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input, tile, vec):
     return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format), weight.new_empty(weight.shape[0])
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, add_input, silu = inputs
+    x, weight, bias, add_input, silu, tile, vec = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
-    ctx.add_input = add_input
+    ctx.args = (add_input, tile, vec)
     ctx.silu = silu
 
 
@@ -175,14 +178,21 @@ def _backward(ctx, grad_y):
             "SiLU separately whenever autograd records"
         )
     x, weight = ctx.saved_tensors
-    grad_x, grad_w, grad_b = torch.ops.gspn2.depthwise_conv2d_backward(
+    add_input, tile, vec = ctx.args
+    grad_x, grad_w, grad_b = torch.ops.gspn2.depthwise_conv2d_backward.default(
         grad_y.contiguous(memory_format=torch.channels_last) if _channels_last(x) else grad_y.contiguous(),
-        x, weight, ctx.has_bias, ctx.add_input,
+        x, weight, ctx.has_bias, add_input, tile, vec,
     )
-    return grad_x, grad_w, grad_b if ctx.has_bias else None, None, None
+    return grad_x, grad_w, grad_b if ctx.has_bias else None, None, None, None, None
 
 
-_dwconv.register_autograd(_backward, setup_context=_setup_context)
+# Every device but CUDA, whose formula (the same one) is registered in C++ for the AutogradCUDA key.
+torch.library.register_autograd("gspn2::depthwise_conv2d", _backward, setup_context=_setup_context, lib=_LIB)
+
+
+def _dwconv(x, weight, bias, add_input, silu):
+    o = _options.current()
+    return torch.ops.gspn2.depthwise_conv2d.default(x, weight, bias, add_input, silu, o.dwconv_tile, o.dwconv_vec)
 
 
 def depthwise_conv2d(
@@ -209,7 +219,7 @@ def depthwise_conv2d(
     if autocast_enabled(x.device.type):
         cast = x.to(torch.get_autocast_dtype(x.device.type))
         if add_input and cast.dtype != x.dtype:  # x + conv(x) promotes to x's dtype, as in eager
-            y = x + _dwconv(cast, weight, bias, False, False)
+            y = x + depthwise_conv2d(cast, weight, bias)
             return F.silu(y) if silu else y
         x = cast
     if x.is_cuda and not _use_kernel(x, weight):  # cuDNN: plain ops, which torch.compile can fuse around

@@ -1,4 +1,4 @@
-"""``gspn2.layers.depthwise_conv2d``: the op against ``F.conv2d`` (CPU, float64 gradcheck, opcheck), the fused
+"""``gspn2.ops.depthwise_conv2d``: the op against ``F.conv2d`` (CPU, float64 gradcheck, opcheck), the fused
 SiLU, argument errors, the backend switch and the MAC count; on a GPU the CUDA kernel against cuDNN (fp32,
 bf16, fp16, both tiles, the scalar path), determinism, ``torch.compile(fullgraph=True)`` and the model's
 fast path against its reference path."""
@@ -11,10 +11,17 @@ import torch
 import torch.nn.functional as F
 
 import gspn2  # noqa: F401
-from gspn2.layers import depthwise_conv2d
-from gspn2.layers import dwconv as D
+from gspn2.ops import depthwise_conv2d, options
+from gspn2.ops import dwconv as D
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _restore_options():
+    saved = options.current()
+    yield
+    options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
 
 
 def _reference(x, w, b, add, silu=False):
@@ -49,7 +56,7 @@ def test_silu_fused_in_inference_separate_under_autograd():
 def test_fused_silu_op_refuses_backward():
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
     w = torch.randn(2, 1, 3, 3)
-    y = torch.ops.gspn2.depthwise_conv2d(x, w, None, False, True)
+    y = torch.ops.gspn2.depthwise_conv2d(x, w, None, False, True, 4, 8)
     with pytest.raises(RuntimeError, match="silu=True has no backward"):
         y.sum().backward()
 
@@ -60,7 +67,7 @@ def test_opcheck(channels_last):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     w, b = torch.randn(4, 1, 3, 3, requires_grad=True), torch.randn(4, requires_grad=True)
-    torch.library.opcheck(torch.ops.gspn2.depthwise_conv2d.default, (x.requires_grad_(), w, b, True, False))
+    torch.library.opcheck(torch.ops.gspn2.depthwise_conv2d.default, (x.requires_grad_(), w, b, True, False, 4, 8))
 
 
 def test_autocast_keeps_the_residual_dtype():
@@ -92,38 +99,41 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         depthwise_conv2d(args["x"], args["w"], args["b"])
 
 
-def test_backend_switch_is_validated(monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV", "fast")
+def test_backend_switch_is_validated():
     with pytest.raises(ValueError, match="GSPN2_DWCONV"):
-        D.dwconv_backend()
+        options.from_env({"GSPN2_DWCONV": "fast"})
+    for name, value in (("dwconv_vec", 2), ("dwconv_tile", 5), ("dwconv", "fast")):
+        with pytest.raises(ValueError, match=name):
+            options.set_options(**{name: value})
+    x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3)
+    for tile, vec in ((5, 8), (4, 2)):
+        with pytest.raises(ValueError, match="`tile` must be 4 or 8" if tile == 5 else "`vec` must be 4 or 8"):
+            torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, tile, vec)
 
 
 @cuda
 @pytest.mark.cuda
-def test_cuda_kernel_env_is_validated(monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+def test_cuda_kernel_variant_is_validated():
     x, w, b = _cuda_case(1, 8, 5, 5, 3, torch.float32)
-    for name, value in (("GSPN2_DWCONV_VEC", "2"), ("GSPN2_DWCONV_TILE", "5")):
-        with monkeypatch.context() as m:
-            m.setenv(name, value)
-            with pytest.raises(ValueError, match=name):
-                depthwise_conv2d(x, w, b)
+    for tile, vec, name in ((5, 8, "tile"), (4, 2, "vec")):
+        with pytest.raises(ValueError, match=f"`{name}` must be 4 or 8"):
+            torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, tile, vec)
 
 
-def test_forced_kernel_explains_why_it_cannot_run(monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+def test_forced_kernel_explains_why_it_cannot_run():
+    options.set_options(dwconv="cuda")
     x = torch.randn(1, 4, 5, 5)  # NCHW memory, K = 9
     with pytest.raises(ValueError, match="channels_last.*|kernel size 9"):
         D._use_kernel(x, torch.randn(4, 1, 9, 9))
 
 
-def test_auto_gives_the_kernel_the_3x3_only(monkeypatch):
-    monkeypatch.delenv("GSPN2_DWCONV", raising=False)
+def test_auto_gives_the_kernel_the_3x3_only():
+    options.set_options(dwconv="auto")
     x = torch.randn(1, 4, 5, 5).to(memory_format=torch.channels_last)
     assert D._use_kernel(x, torch.randn(4, 1, 3, 3)) == D.kernel_available()
     assert not D._use_kernel(x, torch.randn(4, 1, 7, 7))  # measured on par with cuDNN: cuDNN
     assert not D._use_kernel(x.contiguous(), torch.randn(4, 1, 3, 3))  # NCHW memory
-    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+    options.set_options(dwconv="cuda")
     assert D._use_kernel(x, torch.randn(4, 1, 7, 7)) == D.kernel_available()
 
 
@@ -150,8 +160,8 @@ def _cuda_case(N, C, H, W, K, dtype, seed=0):
     return x, w, b
 
 
-def _grads(backend, x, w, b, add, gy, monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV", backend)
+def _grads(backend, x, w, b, add, gy):
+    options.set_options(dwconv=backend)
     xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
     y = depthwise_conv2d(xs, ws, bs, add)
     return (y, *torch.autograd.grad(y, (xs, ws, bs), gy))
@@ -160,7 +170,9 @@ def _grads(backend, x, w, b, add, gy, monkeypatch):
 @cuda
 @pytest.mark.cuda
 def test_cuda_extension_has_the_kernel():
-    assert D.kernel_available() and hasattr(D._C, "dwconv_forward")
+    assert D.kernel_available()
+    for op, key in (("depthwise_conv2d", "CUDA"), ("depthwise_conv2d_backward", "CUDA"), ("depthwise_conv2d", "AutogradCUDA")):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gspn2::{op}", key), (op, key)
 
 
 @cuda
@@ -168,17 +180,17 @@ def test_cuda_extension_has_the_kernel():
 @pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t8v8", "t8v4"])
 @pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
                                    (2, 17, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 6, 3, 1, 7, False)])
-def test_cuda_kernel_matches_cudnn_fp32(shape, variant, monkeypatch):
+def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
     N, C, H, W, K, add = shape
-    monkeypatch.setenv("GSPN2_DWCONV_TILE", variant[1])
-    monkeypatch.setenv("GSPN2_DWCONV_VEC", variant[3])
+    options.set_options(dwconv_tile=int(variant[1]))
+    options.set_options(dwconv_vec=int(variant[3]))
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
         x, w, b = _cuda_case(N, C, H, W, K, torch.float32)
         gy = torch.randn_like(x)
-        ref = _grads("cudnn", x, w, b, add, gy, monkeypatch)
-        out = _grads("cuda", x, w, b, add, gy, monkeypatch)
+        ref = _grads("cudnn", x, w, b, add, gy)
+        out = _grads("cuda", x, w, b, add, gy)
     finally:
         torch.backends.cudnn.allow_tf32 = saved
     for name, o, r in zip(("y", "grad_x", "grad_w", "grad_b"), out, ref):
@@ -192,23 +204,23 @@ def test_cuda_kernel_matches_cudnn_fp32(shape, variant, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("C,K", [(120, 7), (26, 7), (80, 3), (20, 5)])  # 8 or 4 channels, 1, 4 channels
 @pytest.mark.parametrize("vec", ["8", "4"])
-def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, vec, monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV_VEC", vec)
+def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, vec):
+    options.set_options(dwconv_vec=int(vec))
     x, w, b = _cuda_case(4, C, 28, 28, K, dtype)
     gy = torch.randn_like(x)
-    exact = _grads("cudnn", x.double(), w.double(), b.double(), False, gy.double(), monkeypatch)
+    exact = _grads("cudnn", x.double(), w.double(), b.double(), False, gy.double())
     errs = {}
     for backend in ("cudnn", "cuda"):
         errs[backend] = [((o.double() - e).abs().max() / e.abs().max()).item()
-                         for o, e in zip(_grads(backend, x, w, b, False, gy, monkeypatch), exact)]
+                         for o, e in zip(_grads(backend, x, w, b, False, gy), exact)]
     # float32 weights and accumulation: at most the cuDNN 16-bit error (x2 margin), every output
     assert all(t <= 2 * c + 1e-3 for t, c in zip(errs["cuda"], errs["cudnn"])), errs
 
 
 @cuda
 @pytest.mark.cuda
-def test_cuda_silu_fused_forward(monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+def test_cuda_silu_fused_forward():
+    options.set_options(dwconv="cuda")
     x, w, b = _cuda_case(2, 48, 20, 19, 7, torch.float32)
     with torch.no_grad():
         y = depthwise_conv2d(x, w, b, silu=True)
@@ -218,19 +230,19 @@ def test_cuda_silu_fused_forward(monkeypatch):
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("vec", ["8", "4"])
-def test_cuda_deterministic(vec, monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV_VEC", vec)
+def test_cuda_deterministic(vec):
+    options.set_options(dwconv_vec=int(vec))
     x, w, b = _cuda_case(8, 160, 28, 28, 7, torch.bfloat16)
     gy = torch.randn_like(x)
-    a = _grads("cuda", x, w, b, True, gy, monkeypatch)
-    c = _grads("cuda", x, w, b, True, gy, monkeypatch)
+    a = _grads("cuda", x, w, b, True, gy)
+    c = _grads("cuda", x, w, b, True, gy)
     assert all(torch.equal(p, q) for p, q in zip(a, c))
 
 
 @cuda
 @pytest.mark.cuda
-def test_cuda_compile_fullgraph(monkeypatch):
-    monkeypatch.setenv("GSPN2_DWCONV", "cuda")
+def test_cuda_compile_fullgraph():
+    options.set_options(dwconv="cuda")
     x, w, b = _cuda_case(2, 32, 14, 14, 3, torch.bfloat16)
     x.requires_grad_()
     fn = torch.compile(lambda x: depthwise_conv2d(x, w, b, True).float().square().sum(), fullgraph=True)

@@ -1,0 +1,137 @@
+"""Process-wide choices of gspn2's op backends and kernels, parsed once.
+
+The ops take every choice as an argument (``torch.ops.gspn2.propagate(..., kernel, cluster_ctas)``,
+``torch.ops.gspn2.depthwise_conv2d(..., tile, vec)``); the public functions fill those arguments from the
+options held here. They are read from the environment once, when gspn2 is imported, and can be changed in
+the process with :func:`set_options` or :func:`override` (under ``torch.compile``: before compiling).
+
+==================  ===================================  ================================================
+environment         option                               values
+==================  ===================================  ================================================
+``GSPN2_BACKEND``   ``backend``: CUDA tensors of         ``auto`` / ``cuda``: the fused kernels (float64
+                    ``gspn_propagate``                   runs the reference); ``reference``: the
+                                                         pure-PyTorch reference (slow)
+``GSPN2_KERNEL``    ``kernel``: the propagation          ``auto`` (the planner's choice), ``fast``
+                    kernel family                        (streaming only), ``general``, ``cluster``
+(none)              ``cluster_ctas``: CTAs per line of   0 (the planner's choice), 2, 4, 8
+                    the cluster kernels (benchmarks)
+``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
+                    convolution on CUDA tensors          than cuDNN: K = 3), ``cuda`` (every K it
+                                                         supports, else an error), ``cudnn``
+(none)              ``dwconv_tile``, ``dwconv_vec``:     4 or 8 each (benchmarks)
+                    the depthwise kernel's variant
+==================  ===================================  ================================================
+
+Values from the environment are case-insensitive; an unset or empty variable means ``auto``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator, Mapping
+
+__all__ = [
+    "BACKEND_ENV",
+    "DWCONV_ENV",
+    "KERNEL_ENV",
+    "Options",
+    "backend",
+    "current",
+    "dwconv_backend",
+    "from_env",
+    "kernel_family",
+    "override",
+    "set_options",
+]
+
+BACKEND_ENV = "GSPN2_BACKEND"
+KERNEL_ENV = "GSPN2_KERNEL"
+DWCONV_ENV = "GSPN2_DWCONV"
+
+_CHOICES = {
+    "backend": ("auto", "cuda", "reference"),
+    "kernel": ("auto", "fast", "general", "cluster"),
+    "dwconv": ("auto", "cuda", "cudnn"),
+}
+_INTS = {"cluster_ctas": (0, 2, 4, 8), "dwconv_tile": (4, 8), "dwconv_vec": (4, 8)}
+_ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The choices of gspn2's ops (see the module docstring); validated on construction."""
+
+    backend: str = "auto"
+    kernel: str = "auto"
+    cluster_ctas: int = 0
+    dwconv: str = "auto"
+    dwconv_tile: int = 4
+    dwconv_vec: int = 8
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"gspn2 option `{name}` must be one of {', '.join(choices)}; got {value!r}")
+        for name, choices in _INTS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
+                raise ValueError(f"gspn2 option `{name}` must be one of {choices}; got {value!r}")
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> Options:
+    """The options that ``environ`` asks for; an invalid value raises ``ValueError`` naming the variable."""
+    values = {}
+    for name, var in _ENV.items():
+        value = environ.get(var, "").strip().lower() or "auto"
+        if value not in _CHOICES[name]:
+            raise ValueError(f"{var} must be one of {', '.join(_CHOICES[name])}; got {environ.get(var)!r}")
+        values[name] = value
+    return Options(**values)
+
+
+_current = from_env()
+
+
+def current() -> Options:
+    """The options in force."""
+    return _current
+
+
+def set_options(**changes) -> Options:
+    """Change the options in force (validated, all or nothing); returns the previous ones."""
+    global _current
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Options)}
+    if unknown:
+        raise TypeError(f"unknown gspn2 option(s): {', '.join(sorted(unknown))}")
+    previous = _current
+    _current = dataclasses.replace(_current, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Options]:
+    """``with override(kernel="general"): ...`` runs the block with those options, then restores the old ones."""
+    global _current
+    previous = set_options(**changes)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def backend() -> str:
+    """The backend for CUDA tensors of ``gspn_propagate`` (``auto``, ``cuda`` or ``reference``)."""
+    return _current.backend
+
+
+def kernel_family() -> str:
+    """The propagation kernel family (``auto``, ``fast``, ``general`` or ``cluster``)."""
+    return _current.kernel
+
+
+def dwconv_backend() -> str:
+    """The depthwise-convolution backend on CUDA tensors (``auto``, ``cuda`` or ``cudnn``)."""
+    return _current.dwconv
