@@ -1,4 +1,4 @@
-"""Profiling helper for the GPU sessions (scripts/gpu_session.sh): kernel calls for Nsight Compute, and
+"""Profiling helper for ``scripts/gpu_check.sh ncu``: kernel calls for Nsight Compute, and
 timings of variants switched by environment variables between calls (profiling only):
 
 * ``GSPN2_ABLATE`` (results are wrong): general kernels: 1 skips tile loads, 2 the scan steps, 4 the
