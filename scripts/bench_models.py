@@ -37,7 +37,7 @@ DEFAULT_MODELS = [
     "deit_small_patch16_224",
     "mambaout_tiny",
 ]
-# Inference batch per resolution (SPEC section 4: 256 at 224^2, 8 at 1024^2).
+# Inference batch per resolution (as the anchors of docs/spec.md 4.2: 256 at 224^2, 8 at 1024^2).
 INFER_BATCH = {224: 256, 512: 32, 1024: 8}
 
 

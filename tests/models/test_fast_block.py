@@ -1,6 +1,6 @@
 """The fast path of the GSPN-2 blocks computes the reference's function.
 
-``fast_path=False`` runs every block module by module as first written (``nn.Conv2d`` 1x1 convolutions,
+``fast_path=False`` runs every block module by module (``nn.Conv2d`` 1x1 convolutions,
 timm's ``LayerNorm2d``, autograd saving every intermediate): that is the reference. Both paths get the
 same weights and inputs; outputs, input gradients and every parameter gradient must agree:
 
