@@ -8,7 +8,7 @@ runs that plain module's forward: the reference the equivalence tests compare ag
 from gspn2.layers.dwconv import depthwise_conv2d
 from gspn2.layers.mlp import PointwiseMlp
 from gspn2.layers.norm import LayerNorm2d, layer_norm_last_dim
-from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, silu_gate_linear, to_rows
+from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
 
 __all__ = [
     "Conv1x1",
@@ -19,6 +19,5 @@ __all__ = [
     "gelu_linear",
     "layer_norm_last_dim",
     "norm_linear",
-    "silu_gate_linear",
     "to_rows",
 ]
