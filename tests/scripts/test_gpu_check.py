@@ -43,3 +43,49 @@ def test_refuses_without_a_gpu(tmp_path):
     assert result.returncode == 2
     assert "needs an NVIDIA GPU" in result.stderr and "is_available() is False" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for the interpreter: answers the GPU probe, logs every call, fails the build on request.
+echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} $*" >> "$FAKE_LOG"
+case "$*" in
+  *is_available*) echo "9.0 2 Fake GPU" ;;
+  *setup.py*) if [[ ${FAKE_BUILD_FAIL:-0} == 1 ]]; then echo "nvcc: error"; exit 1; fi; echo built ;;
+  *"-m pytest"*) echo "3 passed" ;;
+  *) echo ok ;;
+esac
+"""
+
+
+def _fake(tmp_path: Path) -> dict:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    return {"PYTHON": str(fake), "FAKE_LOG": str(tmp_path / "calls.log")}
+
+
+def test_stages_run_in_order_with_a_log_each_and_a_summary(tmp_path):
+    result = _run("build", "test", "ddp", tmp_path=tmp_path, **_fake(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = tmp_path / "out"
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    build = [c for c in calls if "setup.py build_ext --inplace" in c]
+    assert len(build) == 1 and build[0].startswith("TORCH_CUDA_ARCH_LIST=9.0 ")  # the GPU's own architecture
+    pytest_call = next(c for c in calls if "-m pytest" in c)
+    assert "tests/ops/test_cuda.py" in pytest_call and "tests/models/test_dwconv.py" in pytest_call
+    ddp = [c for c in calls if "torch.distributed.run" in c]
+    assert [c.split("--nproc_per_node=")[1].split()[0] for c in ddp] == ["1", "2"]
+    for log in ("env.txt", "build.log", "build_import.log", "pytest_cuda.log", "ddp_1gpu.log", "ddp_2gpu.log"):
+        assert (out / log).is_file(), log
+    summary = (out / "summary.md").read_text()
+    for row in ("| build | ok |", "| test | ok |", "| ddp 1 GPU | ok |", "| ddp 2 GPU | ok |"):
+        assert row in summary, summary
+    assert summary in result.stdout
+
+
+def test_a_failed_build_skips_the_stages_that_need_it_and_fails_the_run(tmp_path):
+    result = _run("build", "test", tmp_path=tmp_path, FAKE_BUILD_FAIL="1", **_fake(tmp_path))
+    assert result.returncode == 1
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| build | FAILED (rc=1) |" in summary and "| test | skipped: the build failed |" in summary
+    assert "-m pytest" not in (tmp_path / "calls.log").read_text()
