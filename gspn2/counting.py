@@ -3,7 +3,7 @@
 fvcore counts one multiply-add as one "flop", which is the MAC convention of the GSPN papers; we call the
 result MACs. fvcore does not know our custom ops, so handles are registered for them:
 ``gspn2::depthwise_conv2d``, K * K MACs per output element (as fvcore counts a depthwise convolution), and
-``gspn2::propagate``, 4 MACs per output element (3 neighbour products + lambda * x, SPEC 1.1), the output being
+``gspn2::propagate``, 4 MACs per output element (3 neighbour products + lambda * x, docs/spec.md 1.6), the output being
 ``(B, 4, C, H, W)``, i.e. all four directions. Operators fvcore cannot count are not hidden: they are
 returned in :attr:`ModelCount.unsupported_ops` (which includes the elementwise ops fvcore skips by design
 only where fvcore itself reports them).

@@ -1,7 +1,7 @@
 """The fast path of the GSPN-2 blocks against their reference formulation, side by side on one GPU.
 
 Each model is built twice with the same weights, ``fast_path=True`` and ``fast_path=False`` (the
-module-by-module reference, i.e. the blocks as first written), and measured the way
+module-by-module reference), and measured the way
 ``scripts/bench_models.py`` measures (bf16 autocast, channels_last, CUDA events, median): inference img/s,
 training img/s (forward, backward, fused AdamW step) and training peak memory. Before timing, the two paths
 are compared on the GPU (batch 8, 224^2): logits, input gradient and the worst parameter gradient, relative

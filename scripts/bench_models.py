@@ -5,7 +5,7 @@ AdamW step, and peak memory) under bf16 autocast and channels_last, eager and ``
 
     python scripts/bench_models.py                                  # the full table (H200: ~10 min)
     python scripts/bench_models.py --models gspn2_tiny swin_tiny_patch4_window7_224 --modes eager
-    python scripts/bench_models.py --json docs/bench_models.json --md docs/bench_models.md --plot docs/bench_models.png
+    python scripts/bench_models.py --json out/models.json --md out/models.md --plot out/models.png
 
 Absolute figures drift between machines and runs; compare ratios measured in one run.
 """
@@ -37,7 +37,7 @@ DEFAULT_MODELS = [
     "deit_small_patch16_224",
     "mambaout_tiny",
 ]
-# Inference batch per resolution (SPEC section 4: 256 at 224^2, 8 at 1024^2).
+# Inference batch per resolution (as the anchors of docs/spec.md 4.2: 256 at 224^2, 8 at 1024^2).
 INFER_BATCH = {224: 256, 512: 32, 1024: 8}
 
 

@@ -7,7 +7,7 @@
     python scripts/count.py --breakdown --markdown       # the tables of docs/models.md
 
 Counts are of one forward pass at batch 1 on CPU (``gspn2.counting.count_model``); the propagation op is
-counted as 4 MACs per output element and direction (SPEC 1.1). Paper figures are at 224^2, 1000 classes.
+counted as 4 MACs per output element and direction (docs/spec.md 1.6). Paper figures are at 224^2, 1000 classes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Profiling helper: kernel calls for Nsight Compute, and timings of the kernel families per shape.
+"""Profiling helper (``scripts/gpu_check.sh ncu``): kernel calls for Nsight Compute, and timings of the
+kernel families per shape.
 
     python scripts/gpu_profile.py run big s128                 # a few calls, for ncu
     python scripts/gpu_profile.py variants big m56             # a table of kernel families per shape

@@ -7,7 +7,7 @@ runs that plain module's forward: the reference the equivalence tests compare ag
 
 from gspn2.layers.mlp import PointwiseMlp
 from gspn2.layers.norm import LayerNorm2d, layer_norm_last_dim
-from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, silu_gate_linear, to_rows
+from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
 
 __all__ = [
     "Conv1x1",
@@ -17,6 +17,5 @@ __all__ = [
     "gelu_linear",
     "layer_norm_last_dim",
     "norm_linear",
-    "silu_gate_linear",
     "to_rows",
 ]

@@ -7,8 +7,8 @@ epilogue (cuDNN adds a convolution's bias in a separate kernel) and no layout co
 state dicts, initialisation and fvcore's MAC count (it counts ``aten::linear`` like the convolution:
 in x out per pixel) are those of the convolution it replaces.
 
-:func:`gelu_linear`, :func:`silu_gate_linear` and :func:`norm_linear` are ``linear(gelu(h))``,
-``linear(n * silu(z))`` and ``linear(layer_norm(x) [* silu(z)])`` for training: they save their inputs
+:func:`gelu_linear` and :func:`norm_linear` are ``linear(gelu(h))`` and
+``linear(layer_norm(x) [* silu(z)])`` for training: they save their inputs
 only and recompute the cheap elementwise part in backward, instead of autograd keeping both the
 activation's input and output alive until backward.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 
-__all__ = ["Conv1x1", "from_rows", "gelu_linear", "norm_linear", "silu_gate_linear", "to_rows"]
+__all__ = ["Conv1x1", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -107,35 +107,6 @@ class _GeluLinear(torch.autograd.Function):
         return grad_h, grad_w, grad_b
 
 
-class _SiluGateLinear(torch.autograd.Function):
-    """``F.linear(n * F.silu(z), weight, bias)`` saving ``n`` and ``z``; the gate is recomputed in
-    backward."""
-
-    @staticmethod
-    def forward(ctx, n, z, weight, bias):
-        ctx.save_for_backward(n, z, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(n * F.silu(z), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        n, z, weight = ctx.saved_tensors
-        grad_n = grad_z = grad_w = grad_b = None
-        with autocast_off(n.device.type):
-            s = F.silu(z)
-            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-                grad_m = grad_out @ weight
-                if ctx.needs_input_grad[0]:
-                    grad_n = grad_m * s
-                if ctx.needs_input_grad[1]:
-                    grad_z = torch.ops.aten.silu_backward(grad_m * n, z)
-            if ctx.needs_input_grad[2]:
-                grad_w = grad_out.t() @ (n * s)
-            if ctx.has_bias and ctx.needs_input_grad[3]:
-                grad_b = grad_out.sum(0)
-        return grad_n, grad_z, grad_w, grad_b
-
-
 def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(F.gelu(h), weight, bias)`` that keeps only ``h`` for backward (not also ``gelu(h)``).
 
@@ -146,20 +117,6 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
     """
     return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
-
-
-def silu_gate_linear(
-    n: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """``F.linear(n * F.silu(z), weight, bias)`` that keeps only ``n`` and ``z`` for backward.
-
-    Autograd would keep ``n``, ``z``, ``silu(z)`` and the product. Computed in ``n.dtype`` (``z`` is cast
-    to it), like :func:`gelu_linear`.
-
-    Shapes: ``n, z (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
-    """
-    dt = n.dtype
-    return _SiluGateLinear.apply(n, z.to(dt), weight.to(dt), _cast(bias, dt))
 
 
 class _NormLinear(torch.autograd.Function):

@@ -92,7 +92,7 @@ def compile_model(model: nn.Module, mode: str, lean_memory: bool = False) -> nn.
     """``torch.compile(model, mode=mode)``; with ``lean_memory`` AOTAutograd's partitioner may recompute the
     pointwise chains that feed the backward's GEMMs instead of keeping their outputs
     (``torch._functorch.config.ban_recompute_materialized_backward = False``, a process-wide setting: lower
-    training peak, a few percent slower; docs/benchmarks.md, "Models").
+    training peak, a few percent slower; docs/benchmarks.md, "Memory").
 
     Kept here rather than in train.py: submitit pickles train.py's functions by value, and a reference to
     ``torch._functorch.config`` (a module subclass) there cannot be pickled.

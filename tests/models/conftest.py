@@ -1,5 +1,5 @@
 """Shared, cached model instances: building GSPN-2-B (89 M parameters) takes seconds on CPU, so each of
-T/S/B is built once per test session at its default (1000-class) configuration and only run under
+T/S/B is built once per test run at its default (1000-class) configuration and only run under
 ``torch.no_grad`` by the tests that share it."""
 
 from __future__ import annotations

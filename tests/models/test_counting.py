@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import subprocess
 import sys
 
@@ -19,9 +17,9 @@ from gspn2.counting import (
     PROPAGATE_MACS_PER_ELEMENT,
     count_model,
 )
+from tests._helpers import REPO, load_module
 from tests.models._models import BIG_MODELS
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 # fvcore does not count elementwise ops and views (by design); anything else unsupported is a bug.
 ZERO_MAC_OPS = {
     "aten::add", "aten::addcmul", "aten::mul", "aten::gelu", "aten::silu", "aten::sigmoid", "aten::unflatten"
@@ -96,10 +94,7 @@ def test_count_script_runs():
 
 
 def _load_count_script():
-    spec = importlib.util.spec_from_file_location("count_script", REPO / "scripts" / "count.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "scripts" / "count.py", "count_script")
 
 
 def test_count_script_arguments(capsys):

@@ -15,12 +15,7 @@ from timm.models import group_parameters
 import gspn2  # noqa: F401  (registers the gspn2_* models)
 from gspn2.models import GSPN2, GSPN2Mixer
 from gspn2.models.gspn2 import checkpoint_filter_fn
-from tests.models._models import BIG_MODELS, MODEL_NAMES
-
-
-def _micro(**kwargs) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return timm.create_model("gspn2_micro", num_classes=10, **kwargs)
+from tests.models._models import BIG_MODELS, MODEL_NAMES, micro
 
 
 def _images(B: int, H: int, W: int, seed: int = 1) -> torch.Tensor:
@@ -38,7 +33,7 @@ def test_registered_names():
 
 
 def test_micro_is_micro():
-    n = sum(p.numel() for p in _micro().parameters())
+    n = sum(p.numel() for p in micro().parameters())
     assert 100_000 <= n <= 900_000, n
 
 
@@ -89,7 +84,7 @@ def test_features_only_subset_and_drop_path():
 
 
 def test_forward_intermediates_matches_features():
-    model = _micro().eval()
+    model = micro().eval()
     x = _images(1, 48, 40)
     with torch.no_grad():
         final, inter = model.forward_intermediates(x)
@@ -98,7 +93,7 @@ def test_forward_intermediates_matches_features():
 
 
 def test_prune_intermediate_layers():
-    model = _micro().eval()
+    model = micro().eval()
     x = _images(1, 32, 32)
     with torch.no_grad():
         full = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
@@ -110,7 +105,7 @@ def test_prune_intermediate_layers():
 
 
 def test_grad_checkpointing_identical():
-    model = _micro().train()  # no drop path / dropout: train mode is deterministic
+    model = micro().train()  # no drop path / dropout: train mode is deterministic
     x = _images(2, 32, 32)
     ref = model(x)
     ref.sum().backward()
@@ -126,7 +121,7 @@ def test_grad_checkpointing_identical():
 
 
 def test_state_dict_round_trip():
-    model = _micro().eval()
+    model = micro().eval()
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     buf.seek(0)
@@ -140,18 +135,18 @@ def test_state_dict_round_trip():
 
 
 def test_checkpoint_filter_fn_unwraps_trainer_checkpoints():
-    model = _micro()
+    model = micro()
     sd = model.state_dict()
     wrapped = {"model": {f"module._orig_mod.{k}": v for k, v in sd.items()}, "epoch": 3}
     out = checkpoint_filter_fn(wrapped, model)
     assert out.keys() == sd.keys()
-    fresh = _micro()
+    fresh = micro()
     fresh.load_state_dict(out)
 
 
 @pytest.mark.parametrize("size", [(33, 47), (64, 96), (47, 33)])
 def test_odd_and_non_square_sizes(size):
-    model = _micro().eval()
+    model = micro().eval()
     with torch.no_grad():
         feats = model.forward_features(_images(1, *size))
         out = model.forward_head(feats)
@@ -166,7 +161,7 @@ def test_tiny_non_square(default_models):
 
 
 def test_same_model_two_resolutions():
-    model = _micro().eval()
+    model = micro().eval()
     with torch.no_grad():
         a = model.forward_features(_images(2, 32, 32))
         b = model.forward_features(_images(2, 64, 48))
@@ -202,7 +197,7 @@ def test_stage_chunks_reach_the_mixers():
 
 
 def test_reset_classifier_and_pre_logits():
-    model = _micro().eval()
+    model = micro().eval()
     x = _images(2, 32, 32)
     with torch.no_grad():
         pre = model.forward_head(model.forward_features(x), pre_logits=True)
@@ -216,7 +211,7 @@ def test_reset_classifier_and_pre_logits():
 
 
 def test_group_matcher_and_no_weight_decay():
-    model = _micro()
+    model = micro()
     groups = group_parameters(model, model.group_matcher())
     grouped = [n for names in groups.values() for n in names]
     assert sorted(grouped) == sorted(n for n, _ in model.named_parameters())
@@ -225,7 +220,7 @@ def test_group_matcher_and_no_weight_decay():
 
 
 def test_bf16_autocast_forward():
-    model = _micro().eval()
+    model = micro().eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(_images(2, 32, 32))
     assert torch.isfinite(out.float()).all()

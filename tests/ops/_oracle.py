@@ -1,4 +1,4 @@
-"""A deliberately naive, per-pixel transcription of SPEC section 1.1 (independent of gspn2.ops.reference).
+"""A deliberately naive, per-pixel transcription of docs/spec.md, section 1 (independent of gspn2.ops.reference).
 
 Pure Python loops in the image frame: only for tiny inputs in tests.
 """

@@ -1,4 +1,4 @@
-"""The pure-PyTorch reference against SPEC 1.1: hand-computed cases, a naive oracle, symmetries, backward."""
+"""The pure-PyTorch reference against docs/spec.md, section 1: hand-computed cases, a naive oracle, symmetries, backward."""
 
 from __future__ import annotations
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Iterator
+from types import ModuleType
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._helpers import REPO
+
+SCRIPTS = REPO / "scripts"
 
 
 @contextlib.contextmanager

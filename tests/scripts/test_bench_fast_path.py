@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from tests.scripts._load import script_module
-
-
-@pytest.fixture(scope="module")
-def bench():
-    with script_module("bench_fast_path") as module:
-        yield module
+SCRIPT = "bench_fast_path"  # the `bench` fixture (tests/scripts/conftest.py) imports it
 
 
 def test_errors_are_relative_to_the_reference(bench):

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from tests.scripts._load import script_module
-
-
-@pytest.fixture(scope="module")
-def bench():
-    with script_module("bench_models") as module:
-        yield module
+SCRIPT = "bench_models"  # the `bench` fixture (tests/scripts/conftest.py) imports it
 
 
 def test_default_models_are_registered(bench):

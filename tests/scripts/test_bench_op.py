@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-from tests.scripts._load import script_module
-
-
-@pytest.fixture(scope="module")
-def bench():
-    with script_module("bench_op") as module:
-        yield module
+SCRIPT = "bench_op"  # the `bench` fixture (tests/scripts/conftest.py) imports it
 
 
 def test_floor_bytes_counts_every_direction(bench):
@@ -36,8 +28,3 @@ def test_kernel_name_and_table_show_the_cluster_kernel(bench):
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[0] == "GSPN-1 anchor: 16x2x1024x1024, K=2" and cells[9] == "2.01 / 12.4"
     assert cells[-1] == "fast (1) + cluster x2; fast (1) + cluster x8"
-
-
-def test_cluster_choice_shapes_fit_the_streaming_kernels(bench):
-    for B, C, H, K in bench.CLUSTER_CHOICE_SHAPES + bench.CLUSTER_CHOICE_SMALL:
-        assert H <= 1024 and H % 16 == 0 and C % K == 0

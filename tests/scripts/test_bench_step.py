@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.scripts._load import script_module
-
-
-@pytest.fixture(scope="module")
-def bench():
-    with script_module("bench_step") as module:
-        yield module
+SCRIPT = "bench_step"  # the `bench` fixture (tests/scripts/conftest.py) imports it
 
 
 def test_model_specs(bench):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,8 +10,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from gspn2.train.config import register_configs
+from tests._helpers import REPO, load_module
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 
 # A run of a few seconds: 128 training images in 4 steps of 32, 64 validation images, no W&B.
@@ -36,10 +35,7 @@ def compose_cfg(overrides: list[str], config_name: str = "train", config_dir: Pa
 
 def load_script(name: str):
     """Import train.py / eval.py from the repository root as a module (they are scripts, not package)."""
-    spec = importlib.util.spec_from_file_location(f"gspn2_script_{name}", REPO / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / f"{name}.py", f"gspn2_script_{name}")
 
 
 def run_cli(args: list[str], timeout: float = 300, torchrun: bool = False) -> subprocess.CompletedProcess:

@@ -76,7 +76,7 @@ def test_experiment_composes_and_instantiates(experiment):
     "size,lr,drop_path", [("tiny", 5e-4, 0.2), ("small", 3e-4, 0.4), ("base", 5e-4, 0.5)]
 )
 def test_imagenet_recipe(size, lr, drop_path):
-    """SPEC section 3, as the configs spell it."""
+    """docs/spec.md, section 3, as the configs spell it."""
     cfg = compose_cfg([f"experiment=in1k_gspn2_{size}", "data.root=/x"])
     assert cfg.model.name == f"gspn2_{size}" and cfg.model.drop_path_rate == drop_path
     assert (cfg.trainer.epochs, cfg.sched.warmup_epochs, cfg.sched.name, cfg.sched.step_on_epochs) == (

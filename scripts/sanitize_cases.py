@@ -1,0 +1,111 @@
+"""Small forward + backward calls of gspn2's CUDA kernels, sized for ``compute-sanitizer`` (memcheck,
+racecheck): every kernel family, dtype and code path runs once on a few hundred to a few thousand pixels.
+``scripts/gpu_check.sh sanitize`` runs each group under each tool.
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_cases.py op
+    compute-sanitizer --tool racecheck python scripts/sanitize_cases.py cluster    # sm_90 only
+    compute-sanitizer --tool memcheck python scripts/sanitize_cases.py dwconv
+
+Groups:
+
+* ``op``: the propagation op under the default kernel choice: fp32 / bf16 / fp16, one to 32 channels,
+  chunks, the streaming kernels' ring and tile paths, a 300-pixel line.
+* ``cluster``: the thread-block-cluster kernels forced (``GSPN2_KERNEL=cluster``; Hopper only), forward
+  and backward, fp32 / bf16 / fp16, K < C and chunk restarts. The backward runs through autograd, i.e. on
+  autograd's device thread, where the kernels must bind the CUDA context themselves.
+* ``dwconv``: the depthwise convolution kernel forced for every kernel size (``GSPN2_DWCONV=cuda``) with
+  each tile / vector-width variant, with and without the residual, and the inference-only fused SiLU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# (B, C, H, W, K, chunk, dtype name)
+OP_CASES = [
+    (1, 4, 9, 13, 2, 3, "float32"),
+    (1, 2, 6, 7, 1, None, "bfloat16"),
+    (1, 32, 5, 8, 1, None, "float16"),
+    (1, 1, 3, 40, 1, 4, "float32"),
+    (1, 2, 16, 24, 1, 5, "bfloat16"),
+    (1, 1, 300, 264, 1, 7, "float32"),
+]
+CLUSTER_CASES = [
+    (1, 2, 40, 32, 1, None, "float32"),
+    (1, 1, 300, 48, 1, 7, "float32"),
+    (1, 4, 37, 32, 2, 3, "float32"),
+    (1, 2, 40, 32, 2, 5, "bfloat16"),
+    (1, 4, 37, 32, 2, 3, "float16"),
+]
+# (B, C, H, W, kernel size, residual, dtype name)
+DWCONV_CASES = [
+    (1, 16, 9, 13, 7, True, "bfloat16"),
+    (2, 5, 6, 3, 3, False, "float32"),
+    (1, 24, 11, 17, 5, True, "float16"),
+    (1, 8, 1, 9, 7, False, "float32"),
+]
+DWCONV_VARIANTS = [("4", "8"), ("4", "4"), ("8", "8"), ("8", "4")]  # (pixels, channels) per thread
+
+
+def run_op(cases) -> None:
+    import torch
+
+    from gspn2.ops import gspn_propagate
+
+    for B, C, H, W, K, chunk, dt in cases:
+        dtype = getattr(torch, dt)
+        x = torch.randn(B, C, H, W, device="cuda", dtype=dtype, requires_grad=True)
+        lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dtype, requires_grad=True)
+        gates = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dtype, requires_grad=True)
+        h = gspn_propagate(x, lam, gates, chunk)
+        torch.autograd.grad(h, (x, lam, gates), torch.randn_like(h))
+    torch.cuda.synchronize()
+
+
+def run_dwconv() -> None:
+    import torch
+
+    from gspn2.layers import depthwise_conv2d
+
+    for tile, vec in DWCONV_VARIANTS:
+        # The kernel reads its tile variant from the environment at every call.
+        os.environ["GSPN2_DWCONV_TILE"], os.environ["GSPN2_DWCONV_VEC"] = tile, vec
+        for B, C, H, W, k, residual, dt in DWCONV_CASES:
+            x = torch.randn(B, C, H, W, device="cuda", dtype=getattr(torch, dt))
+            x = x.to(memory_format=torch.channels_last).requires_grad_()
+            w = torch.randn(C, 1, k, k, device="cuda", requires_grad=True)
+            b = torch.randn(C, device="cuda", requires_grad=True)
+            y = depthwise_conv2d(x, w, b, residual)
+            torch.autograd.grad(y, (x, w, b), torch.randn_like(y))
+            with torch.no_grad():
+                depthwise_conv2d(x, w, b, silu=True)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("group", choices=["op", "cluster", "dwconv"])
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("sanitize_cases.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if args.group == "cluster" and torch.cuda.get_device_capability() < (9, 0):
+        raise SystemExit("sanitize_cases.py cluster needs an sm_90 GPU: the cluster kernels are Hopper-only")
+    # The backend and kernel choices are read when gspn2 is imported and at each call: set them first.
+    if args.group == "cluster":
+        os.environ["GSPN2_KERNEL"] = "cluster"
+    if args.group == "dwconv":
+        os.environ["GSPN2_DWCONV"] = "cuda"
+    import gspn2  # noqa: F401  (registers the ops)
+
+    if args.group == "dwconv":
+        run_dwconv()
+    else:
+        run_op(OP_CASES if args.group == "op" else CLUSTER_CASES)
+    print(f"sanitize cases '{args.group}' ok")
+
+
+if __name__ == "__main__":
+    main()
