@@ -66,11 +66,10 @@ def run_op(cases) -> None:
 def run_dwconv() -> None:
     import torch
 
-    from gspn2.layers import depthwise_conv2d
+    from gspn2.ops import depthwise_conv2d, options
 
     for tile, vec in DWCONV_VARIANTS:
-        # The kernel reads its tile variant from the environment at every call.
-        os.environ["GSPN2_DWCONV_TILE"], os.environ["GSPN2_DWCONV_VEC"] = tile, vec
+        options.set_options(dwconv_tile=int(tile), dwconv_vec=int(vec))
         for B, C, H, W, k, residual, dt in DWCONV_CASES:
             x = torch.randn(B, C, H, W, device="cuda", dtype=getattr(torch, dt))
             x = x.to(memory_format=torch.channels_last).requires_grad_()
@@ -93,7 +92,7 @@ def main() -> None:
         raise SystemExit("sanitize_cases.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     if args.group == "cluster" and torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("sanitize_cases.py cluster needs an sm_90 GPU: the cluster kernels are Hopper-only")
-    # The backend and kernel choices are read when gspn2 is imported and at each call: set them first.
+    # The backend and kernel choices are read from the environment once, when gspn2 is imported: set them first.
     if args.group == "cluster":
         os.environ["GSPN2_KERNEL"] = "cluster"
     if args.group == "dwconv":

@@ -72,7 +72,7 @@ def test_stages_run_in_order_with_a_log_each_and_a_summary(tmp_path):
     build = [c for c in calls if "setup.py build_ext --inplace" in c]
     assert len(build) == 1 and build[0].startswith("TORCH_CUDA_ARCH_LIST=9.0 ")  # the GPU's own architecture
     pytest_call = next(c for c in calls if "-m pytest" in c)
-    assert "tests/ops/test_cuda.py" in pytest_call and "tests/models/test_dwconv.py" in pytest_call
+    assert "tests/ops/test_cuda.py" in pytest_call and "tests/ops/test_dwconv.py" in pytest_call
     ddp = [c for c in calls if "torch.distributed.run" in c]
     assert [c.split("--nproc_per_node=")[1].split()[0] for c in ddp] == ["1", "2"]
     for log in ("env.txt", "build.log", "build_import.log", "pytest_cuda.log", "ddp_1gpu.log", "ddp_2gpu.log"):
