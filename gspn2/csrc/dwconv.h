@@ -22,8 +22,8 @@ namespace gspn2 {
 inline bool dwconv_kernel_size_supported(int K) { return K == 3 || K == 5 || K == 7; }
 
 // Output pixels along W per thread, `tile` (4 or 8): a register sliding window over K + tile - 1 input
-// columns; and channels per thread, `vec`: 8 (16 bytes of a 16-bit dtype) or 4. dwconv.cpp picks both
-// (GSPN2_DWCONV_TILE and GSPN2_DWCONV_VEC override them: benchmarks).
+// columns; and channels per thread, `vec`: 8 (16 bytes of a 16-bit dtype) or 4. Both arrive as op arguments
+// (gspn2/ops/options.py: dwconv_tile, dwconv_vec; defaults 4 and 8).
 
 struct DwConvForwardParams {
   const void* x = nullptr;         // (B, H, W, C)

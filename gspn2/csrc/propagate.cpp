@@ -146,10 +146,10 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // Streaming kernels (propagate_fast.cu) for lines of up to kFastMaxLine pixels: one thread per line
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
-// multiple of the tile and it fits. GSPN2_KERNEL=general forces the general kernels (tests, comparisons).
+// multiple of the tile and it fits. kernel='general' forces the general kernels (tests, comparisons).
 // The horizontal directions go to the cluster kernels (W a multiple of its tile, sm_90): the float32 forward
 // for lines of at least kClusterAutoMinLine rows, the backward (every dtype) for problems of at least
-// kClusterAutoMinElemsBwd elements (B * C * H * W), or always with GSPN2_KERNEL=cluster: the
+// kClusterAutoMinElemsBwd elements (B * C * H * W), or always with kernel='cluster': the
 // fewest CTAs per line whose rows fit one CTA, doubled (up to 8) while the launch leaves SMs idle;
 // `cluster_ctas` overrides the count (benchmarks).
 void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int smem_limit, int nsm, int cc_major) {
