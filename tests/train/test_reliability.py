@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gspn2.train.data as data_module
-from gspn2.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from gspn2.train.checkpoint import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint
 from gspn2.train.data import ImageError, build_dataset, read_image, verify_images
 from gspn2.train.rundir import LOCK_NAME, STAGING_NAME, RunDirBusy, RunDirLock
 from tests.train._helpers import (
@@ -68,7 +68,7 @@ def test_digest_covers_every_entry_whatever_the_keys(tmp_path):
     are non-tensor values."""
     path = tmp_path / "ckpt.pt"
     state = {
-        "format": "gspn2-train-v2",
+        "format": CHECKPOINT_FORMAT,
         "model": {"w": torch.arange(6.0).reshape(2, 3)},
         "model_name": "m",
         "epoch": 1,
