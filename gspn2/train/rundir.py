@@ -235,8 +235,7 @@ def publish(
         if not name or "/" in name or name.startswith(".") or name in (LOCK_NAME, STAGING_NAME):
             raise ValueError(f"publish: {name!r} is not a plain file name of the run directory")
     staging = run_dir / STAGING_NAME
-    if staging.exists():  # an earlier publish of this process failed; recover() ran at the start
-        shutil.rmtree(staging)
+    _settle_staging(run_dir)  # a set an earlier call committed but could not finish moving goes first
     staging.mkdir(parents=True)
     try:
         for name, writer in files.items():
@@ -276,28 +275,33 @@ def _roll_forward(run_dir: Path, manifest: dict[str, Any]) -> list[str]:
     return moved
 
 
+def _settle_staging(run_dir: Path) -> str | None:
+    """Complete a committed staged set, delete an uncommitted one; a message says which."""
+    staging = run_dir / STAGING_NAME
+    if not staging.is_dir():
+        return None
+    manifest_path = staging / _MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        moved = _roll_forward(run_dir, manifest)
+        return (
+            f"completed the interrupted write of {manifest.get('label') or 'the epoch artefacts'} "
+            f"in {run_dir} (moved into place: {', '.join(moved) or 'nothing left to move'})"
+        )
+    names = sorted(p.name for p in staging.iterdir())
+    shutil.rmtree(staging)
+    return (
+        f"discarded an incomplete write of epoch artefacts in {run_dir} ({', '.join(names) or 'empty'}): "
+        f"the run continues from the previous epoch's set"
+    )
+
+
 def recover(run_dir: str | os.PathLike) -> list[str]:
     """Bring ``run_dir`` back to one consistent set of epoch artefacts after a crash; call it with the
     lock held, before reading anything. Returns one message per action taken (nothing to do: ``[]``)."""
     run_dir = Path(run_dir)
-    notes = []
-    staging = run_dir / STAGING_NAME
-    if staging.is_dir():
-        manifest_path = staging / _MANIFEST
-        if manifest_path.is_file():
-            manifest = json.loads(manifest_path.read_text())
-            moved = _roll_forward(run_dir, manifest)
-            notes.append(
-                f"completed the interrupted write of {manifest.get('label') or 'the epoch artefacts'} "
-                f"in {run_dir} (moved into place: {', '.join(moved) or 'nothing left to move'})"
-            )
-        else:
-            names = sorted(p.name for p in staging.iterdir())
-            shutil.rmtree(staging)
-            notes.append(
-                f"discarded an incomplete write of epoch artefacts in {run_dir} ({', '.join(names) or 'empty'}): "
-                f"the run continues from the previous epoch's set"
-            )
+    note = _settle_staging(run_dir)
+    notes = [note] if note else []
     for tmp in sorted(run_dir.glob(".*.tmp")):
         if tmp.is_file():
             tmp.unlink()

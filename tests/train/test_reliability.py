@@ -20,7 +20,7 @@ import torch
 import gspn2.train.data as data_module
 from gspn2.train.checkpoint import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint
 from gspn2.train.data import ImageError, build_dataset, read_image, verify_images
-from gspn2.train.rundir import LOCK_NAME, STAGING_NAME, RunDirBusy, RunDirLock
+from gspn2.train.rundir import LOCK_NAME, STAGING_NAME, RunDirBusy, RunDirLock, publish, recover
 from tests.train._helpers import (
     CONFIGS,
     REPO,
@@ -221,6 +221,30 @@ def test_kill_during_the_epoch_writes_leaves_one_consistent_set(point, train_scr
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     train_script.train(compose_cfg(overrides))
     _assert_consistent(run_dir, epochs=1)
+
+
+def test_a_failing_write_publishes_nothing_and_a_committed_set_is_finished_first(tmp_path):
+    """A writer that fails (a full disk) leaves the previous set whole; a set committed but not moved
+    into place (its mover failed) is completed before the next one is staged."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    publish(run_dir, {"a.txt": lambda p: p.write_text("1"), "b.txt": lambda p: p.write_text("1")})
+
+    def full_disk(path):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        publish(run_dir, {"a.txt": lambda p: p.write_text("2"), "b.txt": full_disk})
+    assert (run_dir / "a.txt").read_text() == (run_dir / "b.txt").read_text() == "1"
+    assert not (run_dir / STAGING_NAME).exists()
+
+    staged = run_dir / STAGING_NAME  # what a crash halfway through moving epoch 3 into place leaves
+    staged.mkdir()
+    (staged / "b.txt").write_text("3")
+    (staged / "COMMITTED").write_text(json.dumps({"files": ["a.txt", "b.txt"], "remove": [], "label": "epoch 3"}))
+    (run_dir / "a.txt").write_text("3")
+    assert recover(run_dir) == [f"completed the interrupted write of epoch 3 in {run_dir} (moved into place: b.txt)"]
+    assert (run_dir / "b.txt").read_text() == "3" and not staged.exists()
 
 
 # ------------------------------------------------------------------------------------ 4. *.tmp cleanup
