@@ -166,7 +166,8 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
     check_classes(train_set, val_set, cfg.data.num_classes)
     if cfg.data.verify:
         t_verify = time.perf_counter()
-        bad = sum(all_gather_object(verify_images([train_set, val_set], info.rank, info.world_size), info), [])
+        mine = verify_images([train_set, val_set], info.rank, info.world_size)  # this rank's share
+        bad = sum(all_gather_object(mine, info), [])
         listing = "".join(f"\n  {msg}" for msg in sorted(bad))
         if bad and cfg.data.bad_images == "fail":
             raise ImageError(f"data.verify: {len(bad)} unreadable images (data.bad_images=fail):{listing}")
@@ -274,7 +275,7 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         if start_point.damaged_last is not None:
             kept = set_aside(start_point.damaged_last)
-            log(f"note: the damaged {start_point.damaged_last} is kept as {kept}; continuing from {ckpt_path}")
+            log(f"note: the damaged {start_point.damaged_last} is kept as {kept}; resuming {ckpt_path}")
         atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
         run = wandb.init(
             project=cfg.logger.project,

@@ -149,7 +149,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         )
     stored = state.get(INTEGRITY_KEY)
     if not isinstance(stored, dict) or not isinstance(stored.get("sha256"), str):
-        raise CheckpointError(f"checkpoint {str(path)!r} lacks its integrity digest (entry {INTEGRITY_KEY!r})")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} lacks its integrity digest (entry {INTEGRITY_KEY!r})"
+        )
     try:
         actual = payload_digest(state)
     except TypeError as e:

@@ -353,7 +353,8 @@ def _way_out(run_dir: Path) -> str:
     return (
         f"Nothing in {run_dir} was changed. To go on, re-run with the same run_dir and "
         + " or ".join(options)
-        + f" (the damaged last.pt is then kept as {_aside_name(run_dir / 'last.pt').name}), or use a new run_dir"
+        + f" (the damaged last.pt is then kept as {_aside_name(run_dir / 'last.pt').name}),"
+        + " or use a new run_dir"
     )
 
 

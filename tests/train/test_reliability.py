@@ -19,7 +19,7 @@ import torch
 
 import gspn2.train.data as data_module
 from gspn2.train.checkpoint import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint
-from gspn2.train.data import ImageError, build_dataset, read_image, verify_images
+from gspn2.train.data import DataError, ImageError, build_dataset, read_image, verify_images
 from gspn2.train.rundir import LOCK_NAME, STAGING_NAME, RunDirBusy, RunDirLock, publish, recover
 from tests.train._helpers import (
     CONFIGS,
@@ -109,7 +109,8 @@ def test_damaged_last_is_refused_untouched_and_resume_from_best_works(
     train_script.train(compose_cfg([*overrides, f"resume={finished_run / 'best.pt'}"]))
     resumed = load_checkpoint(last)
     assert resumed["epoch"] == 3 and [h["epoch"] for h in resumed["history"]] == list(range(1, 4))
-    assert resumed["history"][:best_epoch] == load_checkpoint(finished_run / "best.pt")["history"][:best_epoch]
+    best_history = load_checkpoint(finished_run / "best.pt")["history"]
+    assert resumed["history"][:best_epoch] == best_history[:best_epoch]
     assert (finished_run / "last.damaged.pt").read_bytes() == damaged_bytes  # kept, not overwritten
     assert "last.damaged.pt" in capsys.readouterr().out
 
@@ -162,9 +163,11 @@ def test_lock_is_exclusive_and_released_on_error(train_script, digits_root, tmp_
             RunDirLock(run_dir).acquire()
     assert not run_dir.exists()  # the lock created the folder and, empty, it is removed again
     # a start that fails (here: no such data) releases the lock and leaves no folder behind
-    with pytest.raises(Exception, match="no_such_data"):
+    with pytest.raises(DataError, match="no_such_data"):
         train_script.train(
-            compose_cfg([*QUICK, f"data.root={tmp_path / 'no_such_data'}", "data.prepare=null", f"run_dir={run_dir}"])
+            compose_cfg(
+                [*QUICK, f"data.root={tmp_path / 'no_such_data'}", "data.prepare=null", f"run_dir={run_dir}"]
+            )
         )
     assert not run_dir.exists()
     with RunDirLock(run_dir) as lock:
@@ -241,9 +244,12 @@ def test_a_failing_write_publishes_nothing_and_a_committed_set_is_finished_first
     staged = run_dir / STAGING_NAME  # what a crash halfway through moving epoch 3 into place leaves
     staged.mkdir()
     (staged / "b.txt").write_text("3")
-    (staged / "COMMITTED").write_text(json.dumps({"files": ["a.txt", "b.txt"], "remove": [], "label": "epoch 3"}))
+    manifest = {"files": ["a.txt", "b.txt"], "remove": [], "label": "epoch 3"}
+    (staged / "COMMITTED").write_text(json.dumps(manifest))
     (run_dir / "a.txt").write_text("3")
-    assert recover(run_dir) == [f"completed the interrupted write of epoch 3 in {run_dir} (moved into place: b.txt)"]
+    assert recover(run_dir) == [
+        f"completed the interrupted write of epoch 3 in {run_dir} (moved into place: b.txt)"
+    ]
     assert (run_dir / "b.txt").read_text() == "3" and not staged.exists()
 
 
@@ -256,7 +262,8 @@ def test_leftover_tmp_files_are_removed_on_start(train_script, finished_run, dig
         p.write_bytes(b"half a file")
     keep = finished_run / "notes.tmp"  # not a name the trainer's atomic writes use
     keep.write_text("mine")
-    train_script.train(compose_cfg([*TINY, f"data.root={digits_root}", f"run_dir={finished_run}", "trainer.epochs=2"]))
+    overrides = [*TINY, f"data.root={digits_root}", f"run_dir={finished_run}", "trainer.epochs=2"]
+    train_script.train(compose_cfg(overrides))
     assert not [p for p in leftovers if p.exists()]
     assert keep.read_text() == "mine"
     assert f"removed {leftovers[0]}" in capsys.readouterr().out
@@ -325,7 +332,9 @@ def test_default_skips_and_counts_bad_images_and_keeps_the_epoch(
     assert load_checkpoint(run_dir / "last.pt")["epoch"] == 1  # the epoch was kept
 
     out_json = tmp_path / "eval.json"
-    eval_script.run_eval(_eval_cfg(f"checkpoint={run_dir / 'last.pt'}", f"out={out_json}", "data.num_workers=0"))
+    eval_script.run_eval(
+        _eval_cfg(f"checkpoint={run_dir / 'last.pt'}", f"out={out_json}", "data.num_workers=0")
+    )
     results = json.loads(out_json.read_text())
     assert results["skipped_images"] == 1 and results["images"] == 10 * 4  # the 40 readable val images
     assert "zz_truncated.jpeg" in capsys.readouterr().out
