@@ -185,7 +185,7 @@ def verify_images(
         cores = len(os.sched_getaffinity(0))
         threads = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return [msg for msg in pool.map(_decode_error, files, chunksize=64) if msg is not None]
+        return [msg for msg in pool.map(_decode_error, files) if msg is not None]
 
 
 def write_digits(root: str | os.PathLike, size: int = DIGITS_SIZE) -> Path:
