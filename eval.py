@@ -30,8 +30,15 @@ from gspn2.counting import count_model
 from gspn2.train.build import build_model
 from gspn2.train.checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, load_model_state
 from gspn2.train.config import EvalConfig, register_configs, validate
-from gspn2.train.data import DataError, build_dataset, build_eval_loader, build_transform, check_image_folder
-from gspn2.train.distributed import destroy, init_distributed
+from gspn2.train.data import (
+    DataError,
+    build_dataset,
+    build_eval_loader,
+    build_transform,
+    check_image_folder,
+    skipped_images,
+)
+from gspn2.train.distributed import all_gather_object, destroy, init_distributed
 from gspn2.train.evaluate import evaluate
 
 register_configs()
@@ -113,7 +120,12 @@ def run_eval(cfg: DictConfig) -> Path:
 
     check_image_folder(data.root, [data.val_split])
     val_set = build_dataset(
-        data.root, data.val_split, build_transform(data, None, is_training=False), data.val_subset
+        data.root,
+        data.val_split,
+        build_transform(data, None, is_training=False),
+        data.val_subset,
+        bad_images=cfg.data.bad_images,
+        replace=False,  # an unreadable image leaves the metrics, it is not replaced by another
     )
     num_outputs = model.num_classes
     if len(val_set.classes) > num_outputs:
@@ -136,11 +148,13 @@ def run_eval(cfg: DictConfig) -> Path:
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     metrics = evaluate(model, loader, info, precision, cfg.channels_last)
+    skipped = sorted(set(sum(all_gather_object(skipped_images(val_set), info), [])))
     results = {
         "top1": metrics["top1"],
         "top5": metrics["top5"],
         "loss": metrics["loss"],
         "images": metrics["images"],
+        "skipped_images": len(skipped),
         "img_per_s": metrics["img_per_s"],
         "params": count.params,
         "macs": count.macs,
@@ -166,6 +180,8 @@ def run_eval(cfg: DictConfig) -> Path:
         f"{metrics['img_per_s']:.1f} img/s "
         f"(forward, batch {data.batch_size}, {precision}, {info.device.type})"
     )
+    if skipped:
+        log(f"skipped {len(skipped)} unreadable image(s) (data.bad_images=skip): {', '.join(skipped)}")
     if info.is_main:
         atomic_write_bytes(out, json.dumps(results, indent=2).encode())
     destroy(info)

@@ -52,7 +52,6 @@ from gspn2.train.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     atomic_write_bytes,
-    load_checkpoint,
     load_model_state,
     rng_state,
     save_checkpoint,
@@ -60,13 +59,17 @@ from gspn2.train.checkpoint import (
 )
 from gspn2.train.config import COMPILE_MODES, TrainConfig, register_configs, validate
 from gspn2.train.data import (
+    ImageError,
     build_dataset,
     build_eval_loader,
     build_train_loader,
     build_transform,
     check_classes,
     check_image_folder,
+    reset_skipped,
+    skipped_images,
     steps_per_epoch,
+    verify_images,
     write_digits,
 )
 from gspn2.train.distributed import (
@@ -80,6 +83,7 @@ from gspn2.train.distributed import (
 )
 from gspn2.train.evaluate import autocast, evaluate
 from gspn2.train.plotting import plot_curves
+from gspn2.train.rundir import RunDirError, RunDirLock, publish, recover, resume_point, set_aside
 
 register_configs()
 
@@ -102,6 +106,11 @@ def new_run_dir(runs_root: str, name: str) -> Path:
 
 def train(cfg: DictConfig) -> Path:
     """Train as ``cfg`` (a composed ``configs/train.yaml``) says; returns the run directory."""
+    with contextlib.ExitStack() as cleanup:  # releases the run directory's lock on any exit
+        return _train(cfg, cleanup)
+
+
+def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
     validate(cfg, TrainConfig)  # also rejects keys forced in with +key=...
     # ------------------------------------------------------------------------------------------ setup
     info = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend)
@@ -118,8 +127,24 @@ def train(cfg: DictConfig) -> Path:
     # decided once on rank 0 and broadcast: every rank writes to and resumes from the same place
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None
     run_dir = broadcast_object(run_dir or (new_run_dir(cfg.runs_root, cfg.name) if master else None), info)
+    # one trainer per run directory (rank 0 holds the lock); then repair what a crash left behind
+    refused = None
+    if master:
+        lock = cleanup.enter_context(RunDirLock(run_dir))
+        try:
+            stale = lock.acquire()
+            notes = ([stale] if stale else []) + recover(run_dir)
+        except (RunDirError, OSError) as e:
+            refused = e
+        else:
+            for note in notes:
+                log(f"note: {note}")
+    refused = broadcast_object(refused, info)  # every rank stops, none waits for rank 0 forever
+    if refused is not None:
+        raise refused
     own_last = run_dir / "last.pt"
-    ckpt_path = own_last if own_last.exists() else (Path(cfg.resume) if cfg.resume else None)
+    start_point = resume_point(run_dir, cfg.resume)  # verified; a damaged last.pt stops here
+    ckpt_path = start_point.path
 
     # ------------------------------------------------------------------------------------------- data
     root = Path(cfg.data.root)
@@ -132,9 +157,25 @@ def train(cfg: DictConfig) -> Path:
     check_image_folder(root, [cfg.data.train_split, cfg.data.val_split])
     train_tf = build_transform(cfg.data, cfg.aug, is_training=True)
     val_tf = build_transform(cfg.data, cfg.aug, is_training=False)
-    train_set = build_dataset(root, cfg.data.train_split, train_tf, subset=cfg.data.train_subset)
-    val_set = build_dataset(root, cfg.data.val_split, val_tf, subset=cfg.data.val_subset)
+    train_set = build_dataset(
+        root, cfg.data.train_split, train_tf, cfg.data.train_subset, cfg.data.bad_images, replace=True
+    )
+    val_set = build_dataset(
+        root, cfg.data.val_split, val_tf, cfg.data.val_subset, cfg.data.bad_images, replace=False
+    )
     check_classes(train_set, val_set, cfg.data.num_classes)
+    if cfg.data.verify:
+        t_verify = time.perf_counter()
+        mine = verify_images([train_set, val_set], info.rank, info.world_size)  # this rank's share
+        bad = sum(all_gather_object(mine, info), [])
+        listing = "".join(f"\n  {msg}" for msg in sorted(bad))
+        if bad and cfg.data.bad_images == "fail":
+            raise ImageError(f"data.verify: {len(bad)} unreadable images (data.bad_images=fail):{listing}")
+        log(
+            f"data.verify: decoded {len(train_set) + len(val_set)} images in "
+            f"{time.perf_counter() - t_verify:.1f} s, {len(bad)} unreadable"
+            + (f" (skipped and counted, data.bad_images=skip):{listing}" if bad else "")
+        )
     loader_args = dict(
         world_size=info.world_size,
         rank=info.rank,
@@ -179,7 +220,7 @@ def train(cfg: DictConfig) -> Path:
     # ------------------------------------------------------------------------------------------ resume
     start_epoch, step, best_top1, best_epoch, history, wandb_id = 0, 0, -math.inf, 0, [], None
     if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path)
+        ckpt, start_point.state = start_point.state, None
         load_model_state(model, ckpt["model"], ckpt_path)
         if ema is not None:
             if ckpt.get("ema") is None:
@@ -232,6 +273,9 @@ def train(cfg: DictConfig) -> Path:
     run = None
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if start_point.damaged_last is not None:
+            kept = set_aside(start_point.damaged_last)
+            log(f"note: the damaged {start_point.damaged_last} is kept as {kept}; resuming {ckpt_path}")
         atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
         run = wandb.init(
             project=cfg.logger.project,
@@ -259,6 +303,8 @@ def train(cfg: DictConfig) -> Path:
         train_model.train()
         train_loader.sampler.set_epoch(epoch)
         train_loader.generator.manual_seed(cfg.seed + 100_003 * info.rank + epoch)  # DataLoader workers
+        reset_skipped(train_set)
+        reset_skipped(val_set)
         mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         batches = iter(train_loader)
@@ -348,6 +394,17 @@ def train(cfg: DictConfig) -> Path:
             record.update(
                 ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"], ema_val_loss=ema_val["loss"]
             )
+        skipped = {  # unreadable images this epoch left out (data.bad_images=skip), over all ranks
+            split: sorted(set(sum(all_gather_object(skipped_images(ds), info), [])))
+            for split, ds in (("train", train_set), ("val", val_set))
+        }
+        record.update(skipped_train_images=len(skipped["train"]), skipped_val_images=len(skipped["val"]))
+        for split, files in skipped.items():
+            if files:
+                log(
+                    f"epoch {epoch + 1}: skipped {len(files)} unreadable {split} image(s) "
+                    f"(data.bad_images=skip): {', '.join(files)}"
+                )
         history.append(record)
         is_best = val["top1"] > best_top1
         if is_best:
@@ -374,9 +431,6 @@ def train(cfg: DictConfig) -> Path:
                 "config": config_dict,
                 "wandb_id": wandb_id,
             }
-            save_checkpoint(state, run_dir / "last.pt")
-            if is_best:
-                save_checkpoint(state, run_dir / "best.pt")
             results = {
                 **{k: v for k, v in record.items() if k != "epoch_s"},
                 "best_top1": best_top1,
@@ -392,8 +446,15 @@ def train(cfg: DictConfig) -> Path:
                 "checkpoint": str(run_dir / "last.pt"),
                 "history": history,
             }
-            atomic_write_bytes(run_dir / "results.json", json.dumps(results, indent=2).encode())
-            plot_curves(history, run_dir / "curves.png")
+            # the epoch's files are published as one set: a crash leaves this set or the previous one
+            epoch_files = {
+                "last.pt": lambda path: save_checkpoint(state, path),
+                "results.json": lambda path: atomic_write_bytes(path, json.dumps(results, indent=2).encode()),
+                "curves.png": lambda path: plot_curves(history, path),
+            }
+            if is_best:
+                epoch_files["best.pt"] = "last.pt"  # a copy of the staged last.pt
+            publish(run_dir, epoch_files, label=f"epoch {epoch + 1}")
             run.log(
                 {"epoch": epoch + 1, "train/epoch_loss": train_loss}
                 | {f"val/{k[len('val_') :]}": v for k, v in record.items() if k.startswith("val_")}

@@ -1,9 +1,10 @@
-"""Checkpoint I/O: atomic writes, loads that fail loudly, RNG state capture.
+"""Checkpoint I/O: atomic writes, integrity-checked loads that fail loudly, RNG state capture.
 
 A checkpoint is one ``torch.save`` dict of plain containers and tensors (loadable with
 ``weights_only=True``)::
 
     format       CHECKPOINT_FORMAT
+    integrity    {"sha256": digest of every other entry, tensor bytes included} (see payload_digest)
     model        model state dict (unwrapped: no DDP/compile prefixes)
     model_name   timm name the model was built from
     ema          EMA model state dict or None;  ema_updates: optimizer steps the EMA has seen
@@ -13,10 +14,13 @@ A checkpoint is one ``torch.save`` dict of plain containers and tensors (loadabl
     rng          one entry per rank: python, numpy, torch, cuda generator states
     config       the resolved training config (dict)
     wandb_id     the W&B run id, so a resumed run appends to the same W&B run
+
+Entries beyond these are allowed and covered by the integrity digest like the rest.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import random
@@ -35,11 +39,13 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_model_state",
+    "payload_digest",
     "rng_state",
     "set_rng_state",
 ]
 
-CHECKPOINT_FORMAT = "gspn2-train-v1"
+CHECKPOINT_FORMAT = "gspn2-train-v2"
+INTEGRITY_KEY = "integrity"
 _REQUIRED = ("format", "model", "model_name", "epoch", "step", "config")
 
 
@@ -69,12 +75,59 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     _atomic_replace(Path(path), lambda f: f.write(data))
 
 
+def _feed(h, obj: Any, where: str) -> None:
+    """Feed one value into ``h`` in a self-delimiting encoding (type tag, length, content), so two
+    different payloads can not produce the same byte stream."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            raise TypeError(f"checkpoint entry {where}: {obj.layout} tensors are not supported")
+        t = obj.detach().resolve_conj().resolve_neg().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, dict):  # dict and OrderedDict: pickling keeps the insertion order
+        h.update(f"D{len(obj)}|".encode())
+        for key, value in obj.items():
+            _feed(h, key, f"{where}[{key!r}] (key)")
+            _feed(h, value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):  # torch.Size too
+        h.update(f"L{len(obj)}|".encode())
+        for i, value in enumerate(obj):
+            _feed(h, value, f"{where}[{i}]")
+    elif obj is None or isinstance(obj, (bool, int, float)):
+        h.update(f"{type(obj).__name__[0]}{obj!r}|".encode())  # repr round-trips floats exactly
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8", "surrogatepass")
+        h.update(f"s{len(data)}|".encode() + data)
+    elif isinstance(obj, bytes):
+        h.update(f"y{len(obj)}|".encode() + obj)
+    else:
+        raise TypeError(
+            f"checkpoint entry {where} is a {type(obj).__name__}; checkpoints hold tensors, dicts, "
+            f"lists, tuples, str, bytes, int, float, bool and None only"
+        )
+
+
+def payload_digest(state: dict[str, Any]) -> str:
+    """SHA-256 over every entry of ``state`` except ``integrity``: keys, structure, scalars, and the
+    dtype, shape and raw bytes of every tensor. Whatever entries a checkpoint has are covered."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in state.items() if k != INTEGRITY_KEY}, "state")
+    return h.hexdigest()
+
+
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
-    _atomic_replace(Path(path), lambda f: torch.save(state, f))
+    """Write ``state`` atomically to ``path``, with the integrity digest of its payload added."""
+    sealed = {**state, INTEGRITY_KEY: {"sha256": payload_digest(state)}}
+    _atomic_replace(Path(path), lambda f: torch.save(sealed, f))
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a train.py checkpoint on the CPU; :class:`CheckpointError` names the path on any problem."""
+    """Load a train.py checkpoint on the CPU and verify its integrity digest.
+
+    :class:`CheckpointError` names the path on any problem: missing, unreadable, not a checkpoint, or
+    contents that differ from what was saved (one altered tensor byte is enough).
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
@@ -85,9 +138,29 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint {str(path)!r} is truncated or corrupt and cannot be read "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from e
+    if isinstance(state, dict) and state.get("format") == "gspn2-train-v1":
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format 'gspn2-train-v1', which carries no integrity digest, "
+            f"so its contents can not be verified; this trainer reads {CHECKPOINT_FORMAT!r} checkpoints"
+        )
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"{str(path)!r} is not a gspn2 training checkpoint (expected format {CHECKPOINT_FORMAT!r})"
+        )
+    stored = state.get(INTEGRITY_KEY)
+    if not isinstance(stored, dict) or not isinstance(stored.get("sha256"), str):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} lacks its integrity digest (entry {INTEGRITY_KEY!r})"
+        )
+    try:
+        actual = payload_digest(state)
+    except TypeError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} fails its integrity check: {e}") from e
+    if actual != stored["sha256"]:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} fails its integrity check: its contents hash to sha256 "
+            f"{actual[:16]}..., not to the {stored['sha256'][:16]}... recorded when it was saved, so the "
+            f"file was altered or damaged after it was written; it was not used"
         )
     missing = [k for k in _REQUIRED if k not in state]
     if missing:

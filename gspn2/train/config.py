@@ -48,6 +48,10 @@ class DataConfig:
     pin_memory: bool = True
     train_subset: Optional[int] = None  # use a fixed random subset of this many training images
     val_subset: Optional[int] = None
+    # an unreadable image: "skip" leaves it out and counts it (logged per epoch, in results.json),
+    # "fail" stops with an error naming the file
+    bad_images: str = "skip"
+    verify: bool = False  # decode every train and val file once at start-up and list the unreadable ones
 
 
 @dataclass
@@ -169,6 +173,7 @@ class EvalDataConfig:
     batch_size: Optional[int] = None
     num_workers: int = 2
     val_subset: Optional[int] = None
+    bad_images: str = "skip"  # an unreadable image: skip and count it, or fail naming it
 
 
 @dataclass

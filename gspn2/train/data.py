@@ -2,13 +2,21 @@
 
 Training and evaluation read ``<root>/<split>/<class>/<image>`` folders through torchvision's
 ``ImageFolder`` and timm's ``create_transform``, for ImageNet and for the embedded digits alike.
+
+An image that can not be decoded raises :class:`ImageError` naming the file. Under the ``skip`` policy
+(``data.bad_images``) it is left out instead and counted: a training sample is replaced by the next
+readable image of the folder (batches keep their size), a validation sample is dropped from the batch
+(the metrics cover the readable images). :func:`skipped_images` lists what an epoch skipped and
+:func:`verify_images` decodes every file once, up front.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -16,11 +24,18 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data import create_transform
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 from torchvision.datasets import ImageFolder
 
 __all__ = [
     "DataError",
+    "ImageError",
+    "BAD_IMAGE_POLICIES",
+    "read_image",
+    "CheckedImageFolder",
+    "skipped_images",
+    "reset_skipped",
+    "verify_images",
     "write_digits",
     "check_classes",
     "check_image_folder",
@@ -38,8 +53,139 @@ DIGITS_SPLIT_SEED = 0
 _SUBSET_SEED = 0
 
 
+#: ``data.bad_images`` values: stop at the first unreadable image, or leave it out and count it.
+BAD_IMAGE_POLICIES = ("fail", "skip")
+
+
 class DataError(RuntimeError):
     """The data folder is missing or malformed."""
+
+
+class ImageError(DataError):
+    """An image file can not be read or decoded; the message names the file."""
+
+
+# what PIL's decoders raise on damaged, truncated or foreign files (besides OSError for unreadable ones)
+_DECODE_ERRORS = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    EOFError,
+    IndexError,
+    KeyError,
+    TypeError,
+    struct.error,
+    Image.DecompressionBombError,
+)
+
+
+def read_image(path: str | os.PathLike) -> Image.Image:
+    """Decode ``path`` completely into an RGB image; :class:`ImageError` names the file on any failure."""
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            img.load()  # decode now: a truncated file fails here, at its name, not in a later transform
+            return img.convert("RGB")
+    except _DECODE_ERRORS as e:
+        raise ImageError(f"cannot read image {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+def _collate_readable(batch):
+    """Collate the samples of a batch that were readable (``None`` marks a skipped one); a batch with
+    none left becomes two empty tensors, which :func:`~gspn2.train.evaluate.evaluate` passes over."""
+    kept = [sample for sample in batch if sample is not None]
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long)
+    return default_collate(kept)
+
+
+class CheckedImageFolder(ImageFolder):
+    """``ImageFolder`` whose unreadable images follow a policy instead of crashing anonymously.
+
+    Args:
+        bad_images: ``"fail"`` raises :class:`ImageError` naming the file; ``"skip"`` flags it and
+            returns the next readable image of the folder (``replace=True``, training) or ``None``
+            (``replace=False``, evaluation, for :func:`_collate_readable`).
+
+    The flags live in shared memory, so DataLoader worker processes report into the main process.
+    """
+
+    def __init__(self, root: str, transform, bad_images: str = "skip", replace: bool = True):
+        if bad_images not in BAD_IMAGE_POLICIES:
+            raise ValueError(f"data.bad_images must be one of {BAD_IMAGE_POLICIES}, got {bad_images!r}")
+        super().__init__(root, transform=transform, loader=read_image)
+        self.bad_images = bad_images
+        self.replace = replace
+        self.skipped = torch.zeros(len(self.samples), dtype=torch.bool).share_memory_()
+
+    def __getitem__(self, index: int):
+        try:
+            return super().__getitem__(index)
+        except ImageError:
+            if self.bad_images == "fail":
+                raise
+            self.skipped[index] = True
+        if not self.replace:
+            return None
+        n = len(self.samples)
+        for k in range(1, n):
+            j = (index + k) % n
+            if self.skipped[j]:
+                continue
+            try:
+                return super().__getitem__(j)
+            except ImageError:
+                self.skipped[j] = True
+        raise ImageError(f"no image under {self.root!r} can be read (data.bad_images=skip has nothing left)")
+
+
+def _base_folder(dataset: Dataset) -> CheckedImageFolder:
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    if not isinstance(dataset, CheckedImageFolder):
+        raise TypeError(f"expected a dataset of build_dataset, got {type(dataset).__name__}")
+    return dataset
+
+
+def skipped_images(dataset: Dataset) -> list[str]:
+    """The files that ``dataset`` (from :func:`build_dataset`) skipped since the last reset."""
+    base = _base_folder(dataset)
+    return [base.samples[i][0] for i in base.skipped.nonzero().flatten().tolist()]
+
+
+def reset_skipped(dataset: Dataset) -> None:
+    _base_folder(dataset).skipped.zero_()
+
+
+def _files_of(dataset: Dataset) -> list[str]:
+    indices = None
+    while isinstance(dataset, Subset):
+        indices = list(dataset.indices) if indices is None else [dataset.indices[i] for i in indices]
+        dataset = dataset.dataset
+    paths = [path for path, _ in dataset.samples]
+    return paths if indices is None else [paths[i] for i in indices]
+
+
+def _decode_error(path: str) -> str | None:
+    try:
+        read_image(path)
+    except ImageError as e:
+        return str(e)
+    return None
+
+
+def verify_images(
+    datasets: Sequence[Dataset], rank: int = 0, world_size: int = 1, threads: int | None = None
+) -> list[str]:
+    """Decode every file the ``datasets`` read (this rank's share: every ``world_size``-th file) once,
+    on ``threads`` threads (default: the CPU cores of this process's share of the node; Pillow decodes
+    without holding the GIL). Returns one :class:`ImageError` message per unreadable file."""
+    files = sorted({path for dataset in datasets for path in _files_of(dataset)})[rank::world_size]
+    if threads is None:
+        cores = len(os.sched_getaffinity(0))
+        threads = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return [msg for msg in pool.map(_decode_error, files) if msg is not None]
 
 
 def write_digits(root: str | os.PathLike, size: int = DIGITS_SIZE) -> Path:
@@ -141,9 +287,17 @@ def build_transform(data, aug, is_training: bool, img_size: int | None = None):
     )
 
 
-def build_dataset(root: str | os.PathLike, split: str, transform, subset: int | None = None) -> Dataset:
-    """``ImageFolder(root/split)``, optionally reduced to a fixed random subset of ``subset`` images."""
-    dataset = ImageFolder(str(Path(root) / split), transform=transform)
+def build_dataset(
+    root: str | os.PathLike,
+    split: str,
+    transform,
+    subset: int | None = None,
+    bad_images: str = "skip",
+    replace: bool = True,
+) -> Dataset:
+    """``ImageFolder(root/split)``, optionally reduced to a fixed random subset of ``subset`` images;
+    unreadable images follow ``bad_images`` (see :class:`CheckedImageFolder`; ``replace``: training)."""
+    dataset = CheckedImageFolder(str(Path(root) / split), transform, bad_images=bad_images, replace=replace)
     if subset is not None and subset < len(dataset):
         g = torch.Generator().manual_seed(_SUBSET_SEED)
         keep = torch.randperm(len(dataset), generator=g)[:subset].sort().values.tolist()
@@ -252,6 +406,7 @@ def build_eval_loader(
         shuffle=False,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        collate_fn=_collate_readable,  # skipped (unreadable) images leave the batch
     )
 
 

@@ -42,6 +42,8 @@ def evaluate(
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, n
     forward_s = 0.0
     for images, targets in loader:
+        if targets.numel() == 0:  # every image of this batch was unreadable and skipped (data.bad_images)
+            continue
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         if channels_last:

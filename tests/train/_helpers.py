@@ -48,3 +48,48 @@ def run_cli(args: list[str], timeout: float = 300, torchrun: bool = False) -> su
 
 def last_line(text: str) -> str:
     return [line for line in text.splitlines() if line.strip()][-1].strip()
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes), to show that nothing changed."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def flip_tensor_byte(path: Path) -> None:
+    """Flip one byte inside the largest tensor record of a ``torch.save`` file, in place: the file
+    still unpickles, only a tensor value changes (what a bad disk sector or a stray write does)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        pos = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x10]))
+
+
+# Run train.py in a child process that kills itself with SIGKILL right before os.replace would move a
+# file onto argv[1]: a crash at a chosen point of the epoch's writes, with no cleanup code running.
+KILL_AT_REPLACE = """
+import os, signal, sys
+from pathlib import Path
+from tests.train._helpers import compose_cfg, load_script
+target, overrides = Path(sys.argv[1]), sys.argv[2:]
+real_replace = os.replace
+def replace(src, dst, *args, **kwargs):
+    if Path(dst) == target:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst, *args, **kwargs)
+os.replace = replace
+load_script("train").train(compose_cfg(overrides))
+"""
+
+
+def run_killed_at(target: Path, overrides: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-c", KILL_AT_REPLACE, str(target), *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
