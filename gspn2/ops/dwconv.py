@@ -215,7 +215,8 @@ def depthwise_conv2d(
     Under autocast ``x`` is cast to the autocast dtype, as ``F.conv2d`` would be; the kernel reads the
     weight and bias in float32 and accumulates in float32. Returns ``x``'s dtype and strides.
     """
-    _check(x, weight, bias)
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 4):
+        _check(x, weight, bias)  # raises, naming the argument
     if autocast_enabled(x.device.type):
         cast = x.to(torch.get_autocast_dtype(x.device.type))
         if add_input and cast.dtype != x.dtype:  # x + conv(x) promotes to x's dtype, as in eager
@@ -223,7 +224,9 @@ def depthwise_conv2d(
             return F.silu(y) if silu else y
         x = cast
     if x.is_cuda and not _use_kernel(x, weight):  # cuDNN: plain ops, which torch.compile can fuse around
+        _check(x, weight, bias)
         return _conv_reference(x, weight, bias, add_input, silu, match_strides=False)
+    # The op checks its arguments (gspn2/csrc/dwconv.cpp on CUDA, _dwconv_reference elsewhere).
     records = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if silu and records:
         return F.silu(_dwconv(x, weight, bias, add_input, False))
