@@ -21,7 +21,7 @@ panel counts, per input pixel, how many of the four directions reach the chosen 
 
 **model**: the mean over a batch of images of ``sum_rgb |d s / d image|``, with ``s`` the sum over
 channels of the chosen stage's feature at the centre of its map (row ``h // 2``, column ``w // 2``), the
-model in eval mode. Images are a data folder (every image file below it, read with the evaluation
+model in eval mode; ``--seed`` seeds the random-init weights, the noise and the choice of images. Images are a data folder (every image file below it, read with the evaluation
 transform of each model's own data config) or standard-normal noise in the normalised input space, the
 same noise for every model. The area fraction ``a_p`` is the smallest share of the image's pixels that
 holds ``p`` of the map's total (the pixels taken largest first).
@@ -358,7 +358,7 @@ def build_checkpoint_panel(path: str, stage: int, ema: bool) -> Tuple[Panel, int
     data = SimpleNamespace(mean=list(td.mean), std=list(td.std), crop_pct=td.crop_pct, interpolation=td.interpolation)
     weights = "EMA" if ema else "model"
     source = f"{path}, {weights} weights, epoch {ckpt['epoch']}"
-    caption = f"trained {ckpt['epoch']} ep. at {td.img_size}px ({weights} weights)"
+    caption = f"trained, epoch {ckpt['epoch']} at {td.img_size}px" + (", EMA" if ema else "")
     return Panel(name, source, caption, model, stage, n, data), int(td.img_size)
 
 
@@ -469,9 +469,10 @@ def plot_model(panels: Sequence[Panel], maps: Sequence[torch.Tensor], fractions:
     import matplotlib.pyplot as plt
 
     n = len(panels)
-    fig, axes = plt.subplots(1, n, figsize=(3.3 * n + 0.6, 3.9), squeeze=False)
+    width = 3.4 * n + 0.9
+    fig, axes = plt.subplots(1, n, figsize=(width, 4.0), squeeze=False)
     axes = axes[0]
-    fig.subplots_adjust(left=0.02, right=0.9, bottom=0.02, top=0.74, wspace=0.08)
+    fig.subplots_adjust(left=0.01, right=1 - 0.9 / width, bottom=0.02, top=0.78, wspace=0.1)
     for ax, panel, m, fr in zip(axes, panels, maps, fractions):
         shown = torch.log10(torch.clamp_min(m / m.max(), 1e-4))
         im = ax.imshow(shown.numpy(), cmap="magma", vmin=-4, vmax=0, interpolation="nearest")
@@ -479,13 +480,15 @@ def plot_model(panels: Sequence[Panel], maps: Sequence[torch.Tensor], fractions:
         stride = panel.model.feature_info[panel.stage].get("reduction", "?")
         ax.set_title(
             f"{panel.label}, {panel.caption}\nstage {panel.stage} (stride {stride}, {h}x{w} map)\n"
-            f"50%: {100 * fr['50']['fraction']:.1f}%  90%: {100 * fr['90']['fraction']:.1f}% of image",
-            fontsize=8.5,
+            f"50% of mass in {100 * fr['50']['fraction']:.1f}%, 90% in {100 * fr['90']['fraction']:.1f}% of image",
+            fontsize=8,
         )
         ax.set_xticks([])
         ax.set_yticks([])
-    cax = fig.add_axes([0.915, 0.1, 0.015, 0.6])
-    fig.colorbar(im, cax=cax).set_label("log10 ERF / max", fontsize=8)
+    cax = fig.add_axes([1 - 0.75 / width, 0.08, 0.12 / width, 0.64])
+    cbar = fig.colorbar(im, cax=cax)
+    cbar.set_label("log10 ERF / max", fontsize=8)
+    cbar.ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=9.5)
     return fig
 
@@ -547,6 +550,8 @@ def prepare_model_run(args: argparse.Namespace):
     files = None
     if args.data is not None:
         files = pick_images(list_images(args.data), args.batch, args.seed, args.data)
+    # Seeded before any model is built: random-init weights, noise and image choice all follow --seed.
+    torch.manual_seed(args.seed)
     panels: List[Panel] = []
     ckpt_sizes = []
     for path in args.checkpoints:
@@ -568,7 +573,6 @@ def prepare_model_run(args: argparse.Namespace):
 
 def run_model(args: argparse.Namespace, prepared=None) -> Dict[str, Any]:
     png, device, files, img_size, panels = prepared or prepare_model_run(args)
-    torch.manual_seed(args.seed)
     noise = None if files is not None else noise_images(args.batch, img_size, args.seed)
     maps, fractions, rows = [], [], []
     for panel in panels:
