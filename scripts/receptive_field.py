@@ -1,30 +1,31 @@
 """Receptive-field pictures: the exact dependency cones of the propagation op, and the effective
 receptive field (ERF) of a model or a train.py checkpoint, side by side with any timm model.
 
-    python scripts/receptive_field.py op --size 33 --out rf_op.png                  # global scan, centre pixel
-    python scripts/receptive_field.py op --size 48x64 --pixel 10 40 --chunk 8 --gates random --out rf.png
+    python scripts/receptive_field.py op --size 33 --out cones.png                 # global scan, centre pixel
+    python scripts/receptive_field.py op --size 48x64 --pixel 10 40 --chunk 8 --gates random --out cones.png
     python scripts/receptive_field.py model --models gspn2_micro convnext_atto --img-size 64 --out erf.png
-    python scripts/receptive_field.py model --checkpoints runs/digits/<time>/best.pt --models resnet18 \\
-        --data data/digits/val --img-size 32 --stage 2 --out erf.png
+    python scripts/receptive_field.py model --checkpoints runs/digits/<time>/best.pt --models convnext_atto \\
+        --data data/digits/val --img-size 48 --stage 2 --out erf.png
     python scripts/receptive_field.py model --models gspn2_tiny swin_tiny_patch4_window7_224 \\
-        --img-size 224 --batch 64 --device cuda --out erf_tiny.png
+        --img-size 224 --batch 64 --device cuda --out erf.png
 
-Each run writes the PNG given by ``--out`` and the numbers next to it (same name, ``.json``). Every argument
-is checked, and every model built, before anything is written.
+Each run writes the PNG named by ``--out`` and its numbers next to it (same name, ``.json``). Every
+argument is checked, and every model built and run once at the chosen size, before anything is written.
 
 **op**: one channel through ``gspn2.ops.gspn_propagate`` in float64 with ``lam = 1``; for each direction
-``d`` the map is ``|d h_d[pixel] / d x|``. Every normalised gate weight is strictly positive and every term
-of the recurrence is a product of weights, so a nonzero gradient means "this input reaches the pixel" and
-a zero one that no chain of neighbour steps connects them: the support of the map is the exact region
-(the run refuses sizes and gates where the smallest product could underflow float64 and fake a zero). The union
-panel counts, per input pixel, how many of the four directions reach the chosen pixel.
+``d`` the map is ``|d h_d[pixel] / d x|``. The normalised gate weights are positive and the gradient is a
+sum of products of weights along chains of neighbour steps, so it is nonzero exactly where an input
+reaches the pixel: its support is the exact region. (The run refuses sizes and gates for which such a
+product could underflow float64 and fake a zero.) The union panel counts, per input, how many of the
+four directions reach the pixel.
 
 **model**: the mean over a batch of images of ``sum_rgb |d s / d image|``, with ``s`` the sum over
 channels of the chosen stage's feature at the centre of its map (row ``h // 2``, column ``w // 2``), the
-model in eval mode; ``--seed`` seeds the random-init weights, the noise and the choice of images. Images are a data folder (every image file below it, read with the evaluation
+model in eval mode. The images are a data folder (every image file below it, read with the evaluation
 transform of each model's own data config) or standard-normal noise in the normalised input space, the
-same noise for every model. The area fraction ``a_p`` is the smallest share of the image's pixels that
-holds ``p`` of the map's total (the pixels taken largest first).
+same for every model; ``--seed`` seeds the random-init weights, the noise and the choice of images. The
+area fraction of ``p`` (50% and 90%) is the smallest share of the image's pixels that holds ``p`` of the
+map's total, the pixels taken largest first.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ import io
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
@@ -52,7 +54,7 @@ _FLOAT64_SAFE = 1e-290
 # --------------------------------------------------------------------------------------- arguments
 
 
-def parse_size(text: str) -> Tuple[int, int]:
+def parse_size(text: str) -> tuple[int, int]:
     """``"32"`` -> (32, 32); ``"24x40"`` -> (24, 40) (H x W)."""
     parts = text.lower().split("x")
     try:
@@ -98,8 +100,8 @@ class OpCones:
     """Gradient maps ``(4, H, W)`` of one output pixel of every direction with respect to ``x``."""
 
     grads: torch.Tensor
-    pixel: Tuple[int, int]
-    chunk: Optional[int]
+    pixel: tuple[int, int]
+    chunk: int | None
     gates: str
 
     @property
@@ -113,7 +115,7 @@ class OpCones:
         return self.regions.any(dim=0)
 
 
-def make_gates(kind: str, size: Tuple[int, int], seed: int) -> torch.Tensor:
+def make_gates(kind: str, size: tuple[int, int], seed: int) -> torch.Tensor:
     """Gate logits ``(1, 4, 3, 1, H, W)`` in float64: ``uniform`` (all zero, so every row of the transition
     is flat), ``random`` (standard normal, seeded) or a path to a ``torch.save``'d tensor of shape
     ``(4, 3, H, W)`` or ``(1, 4, 3, 1, H, W)``."""
@@ -129,7 +131,9 @@ def make_gates(kind: str, size: Tuple[int, int], seed: int) -> torch.Tensor:
     try:
         gates = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ValueError(f"--gates {kind!r} could not be read as a tensor file ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"--gates {kind!r} could not be read as a tensor file ({type(e).__name__}: {e})"
+        ) from e
     if not isinstance(gates, torch.Tensor) or not gates.is_floating_point():
         raise ValueError(f"--gates {kind!r} must hold one floating-point tensor, got {type(gates).__name__}")
     if tuple(gates.shape) == (4, 3, H, W):
@@ -144,7 +148,7 @@ def make_gates(kind: str, size: Tuple[int, int], seed: int) -> torch.Tensor:
     return gates.to(torch.float64)
 
 
-def _smallest_path_log10(gates: torch.Tensor, size: Tuple[int, int], chunk: Optional[int]) -> float:
+def _smallest_path_log10(gates: torch.Tensor, size: tuple[int, int], chunk: int | None) -> float:
     """log10 of a lower bound of every nonzero entry of the op-mode gradient: the smallest normalised weight
     of a neighbour inside the line, to the power of the longest run of steps without a restart."""
     from gspn2.ops.reference import normalize_gates
@@ -162,7 +166,7 @@ def _smallest_path_log10(gates: torch.Tensor, size: Tuple[int, int], chunk: Opti
 
 
 def check_op_args(
-    size: Tuple[int, int], pixel: Tuple[int, int], chunk: Optional[int], gates: str, seed: int
+    size: tuple[int, int], pixel: tuple[int, int], chunk: int | None, gates: str, seed: int
 ) -> torch.Tensor:
     """Validate an op-mode request; returns the gate logits (see :func:`make_gates`)."""
     H, W = size
@@ -175,15 +179,15 @@ def check_op_args(
     bound = _smallest_path_log10(g, size, chunk)
     if bound < math.log10(_FLOAT64_SAFE):
         raise ValueError(
-            f"--size {H}x{W} with these --gates: a reaching product can be as small as 1e{bound:.0f}, below what "
-            f"float64 represents safely, so a zero gradient would not prove 'unreached'; use a smaller "
-            f"--size or flatter gates"
+            f"--size {H}x{W} with these --gates: a reaching product can be as small as 1e{bound:.0f}, "
+            "below what float64 represents safely, so a zero gradient would not prove 'unreached'; "
+            "use a smaller --size, a --chunk or flatter gates"
         )
     return g
 
 
 def op_cones(
-    size: Tuple[int, int], pixel: Tuple[int, int], chunk: Optional[int], gates: str = "uniform", seed: int = 0
+    size: tuple[int, int], pixel: tuple[int, int], chunk: int | None, gates: str = "uniform", seed: int = 0
 ) -> OpCones:
     """The exact dependency region of ``pixel`` per direction (see the module docstring)."""
     from gspn2.ops import gspn_propagate
@@ -201,7 +205,7 @@ def op_cones(
     return OpCones(torch.stack(grads), (i, j), chunk, gates)
 
 
-def op_summary(cones: OpCones) -> Dict[str, Any]:
+def op_summary(cones: OpCones) -> dict[str, Any]:
     H, W = cones.grads.shape[-2:]
     per_dir = []
     for d, name in enumerate(DIRECTIONS):
@@ -241,12 +245,21 @@ def plot_op(cones: OpCones):
     i, j = cones.pixel
     fig = plt.figure(figsize=(14.5, 3.4))
     grid = fig.add_gridspec(
-        1, 7, width_ratios=[1, 1, 1, 1, 0.05, 1, 0.05], left=0.01, right=0.95, bottom=0.03, top=0.78, wspace=0.12
+        1,
+        7,
+        width_ratios=[1, 1, 1, 1, 0.05, 1, 0.05],
+        left=0.01,
+        right=0.95,
+        bottom=0.03,
+        top=0.78,
+        wspace=0.12,
     )
     axes = [fig.add_subplot(grid[0, k]) for k in (0, 1, 2, 3, 5)]
     # Decades below each direction's largest influence, on one scale for the four; unreached inputs are
     # masked (grey), not clipped.
-    logs = torch.where(cones.regions, torch.log10(cones.grads / cones.grads.amax(dim=(1, 2), keepdim=True)), float("nan"))
+    logs = torch.where(
+        cones.regions, torch.log10(cones.grads / cones.grads.amax(dim=(1, 2), keepdim=True)), float("nan")
+    )
     vmin = min(-1.0, float(logs.nan_to_num(0.0).min()))
     cmap = plt.get_cmap("viridis").with_extremes(bad="#e0e0e0")
     for d, ax in enumerate(axes[:4]):
@@ -259,7 +272,9 @@ def plot_op(cones: OpCones):
     counts = cones.regions.sum(dim=0)
     union_cmap = ListedColormap(["#e0e0e0", "#c6dbef", "#6baed6", "#2171b5", "#08306b"])
     im_u = axes[4].imshow(counts.numpy(), cmap=union_cmap, vmin=-0.5, vmax=4.5, interpolation="nearest")
-    axes[4].set_title(f"union of the four\nreaches {100 * cones.union.double().mean().item():.1f}% of inputs", fontsize=9)
+    axes[4].set_title(
+        f"union of the four\nreaches {100 * cones.union.double().mean().item():.1f}% of inputs", fontsize=9
+    )
     cbar = fig.colorbar(im_u, cax=fig.add_subplot(grid[0, 6]), ticks=range(5))
     cbar.set_label("directions reaching", fontsize=8)
     cbar.ax.tick_params(labelsize=7)
@@ -290,22 +305,26 @@ class Panel:
     stage: int
     num_stages: int
     data: SimpleNamespace  # mean, std, crop_pct, interpolation of the model's own data config
-    info: Dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
 
-def _stage_index(name: str, model: torch.nn.Module, stage: int) -> Tuple[int, int]:
+def _stage_index(name: str, model: torch.nn.Module, stage: int) -> tuple[int, int]:
     if not hasattr(model, "forward_intermediates"):
-        raise ValueError(f"{name} has no forward_intermediates(), so its stages cannot be read; pick another model")
+        raise ValueError(
+            f"{name} has no forward_intermediates(), so its stages cannot be read; pick another model"
+        )
     feature_info = getattr(model, "feature_info", None)
     if not feature_info:
         raise ValueError(f"{name} has no feature_info, so its stages are not known; pick another model")
     n = len(feature_info)
     if not -n <= stage < n:
-        raise ValueError(f"--stage {stage} is out of range for {name}, which has {n} stages (0..{n - 1} or -{n}..-1)")
+        raise ValueError(
+            f"--stage {stage} is out of range for {name}, which has {n} stages (0..{n - 1} or -{n}..-1)"
+        )
     return stage % n, n
 
 
-def _data_of(cfg: Dict[str, Any]) -> SimpleNamespace:
+def _data_of(cfg: dict[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(
         mean=list(cfg["mean"]),
         std=list(cfg["std"]),
@@ -314,7 +333,7 @@ def _data_of(cfg: Dict[str, Any]) -> SimpleNamespace:
     )
 
 
-def build_timm_panel(name: str, img_size: Tuple[int, int], stage: int, pretrained: bool) -> Panel:
+def build_timm_panel(name: str, img_size: tuple[int, int], stage: int, pretrained: bool) -> Panel:
     import timm
     from timm.data import resolve_data_config
 
@@ -322,7 +341,7 @@ def build_timm_panel(name: str, img_size: Tuple[int, int], stage: int, pretraine
 
     if not timm.is_model(name):
         raise ValueError(f"--models: {name!r} is not a registered timm model")
-    kwargs: Dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
     pretrained_cfg = timm.models.get_pretrained_cfg(name)
     # Models with a fixed input size (ViT, Swin) take the size at construction; the others take any size.
     if pretrained_cfg is not None and getattr(pretrained_cfg, "fixed_input_size", False):
@@ -330,14 +349,16 @@ def build_timm_panel(name: str, img_size: Tuple[int, int], stage: int, pretraine
     try:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     except (ValueError, TypeError, AssertionError) as e:
-        raise ValueError(f"timm could not build {name} for --img-size {img_size[0]}x{img_size[1]}: {e}") from e
+        raise ValueError(
+            f"timm could not build {name} for --img-size {img_size[0]}x{img_size[1]}: {e}"
+        ) from e
     stage, n = _stage_index(name, model, stage)
     data = _data_of(resolve_data_config({}, model=model))
     weights = "pretrained" if pretrained else "random init"
     return Panel(name, f"timm, {weights}", weights, model, stage, n, data)
 
 
-def build_checkpoint_panel(path: str, stage: int, ema: bool) -> Tuple[Panel, int]:
+def build_checkpoint_panel(path: str, stage: int, ema: bool) -> tuple[Panel, int]:
     """A train.py checkpoint's model (through the project's loader); also returns its training image size."""
     from omegaconf import OmegaConf
 
@@ -355,14 +376,16 @@ def build_checkpoint_panel(path: str, stage: int, ema: bool) -> Tuple[Panel, int
     name = train_cfg.model.name
     stage, n = _stage_index(f"{name} of {path}", model, stage)
     td = train_cfg.data
-    data = SimpleNamespace(mean=list(td.mean), std=list(td.std), crop_pct=td.crop_pct, interpolation=td.interpolation)
+    data = SimpleNamespace(
+        mean=list(td.mean), std=list(td.std), crop_pct=td.crop_pct, interpolation=td.interpolation
+    )
     weights = "EMA" if ema else "model"
     source = f"{path}, {weights} weights, epoch {ckpt['epoch']}"
     caption = f"trained, epoch {ckpt['epoch']} at {td.img_size}px" + (", EMA" if ema else "")
     return Panel(name, source, caption, model, stage, n, data), int(td.img_size)
 
 
-def list_images(folder: str) -> List[Path]:
+def list_images(folder: str) -> list[Path]:
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"--data {folder!r} is not a directory")
@@ -372,7 +395,7 @@ def list_images(folder: str) -> List[Path]:
     return files
 
 
-def pick_images(files: Sequence[Path], batch: int, seed: int, folder: str) -> List[Path]:
+def pick_images(files: Sequence[Path], batch: int, seed: int, folder: str) -> list[Path]:
     """``batch`` distinct files, a seeded random choice (all of them when there are exactly ``batch``)."""
     if len(files) < batch:
         raise ValueError(f"--batch {batch} needs {batch} images but --data {folder!r} holds {len(files)}")
@@ -381,7 +404,7 @@ def pick_images(files: Sequence[Path], batch: int, seed: int, folder: str) -> Li
     return [files[k] for k in keep]
 
 
-def load_images(files: Sequence[Path], img_size: Tuple[int, int], data: SimpleNamespace) -> torch.Tensor:
+def load_images(files: Sequence[Path], img_size: tuple[int, int], data: SimpleNamespace) -> torch.Tensor:
     """The evaluation transform of ``data`` (resize, centre crop, normalise) at ``img_size``, stacked."""
     from PIL import Image
 
@@ -396,17 +419,19 @@ def load_images(files: Sequence[Path], img_size: Tuple[int, int], data: SimpleNa
     return torch.stack(out)
 
 
-def noise_images(batch: int, img_size: Tuple[int, int], seed: int) -> torch.Tensor:
+def noise_images(batch: int, img_size: tuple[int, int], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, *img_size, generator=g)
 
 
 def _stage_output(panel: Panel, x: torch.Tensor) -> torch.Tensor:
-    (feat,) = panel.model.forward_intermediates(x, indices=[panel.stage], intermediates_only=True, stop_early=True)
+    (feat,) = panel.model.forward_intermediates(
+        x, indices=[panel.stage], intermediates_only=True, stop_early=True
+    )
     return feat
 
 
-def probe_stage(panel: Panel, img_size: Tuple[int, int], device: torch.device) -> None:
+def probe_stage(panel: Panel, img_size: tuple[int, int], device: torch.device) -> None:
     """Run one zero image up to the stage on ``device``, so that a size the model cannot take, or a stage
     without a spatial map, fails as an argument error; fills ``panel.info`` with the stage's geometry."""
     model = panel.model.to(device).eval()
@@ -421,14 +446,14 @@ def probe_stage(panel: Panel, img_size: Tuple[int, int], device: torch.device) -
             f"{str(e).splitlines()[0]}"
         ) from e
     if feat.ndim != 4:
-        raise ValueError(f"{panel.label}: stage {panel.stage} gives a {feat.ndim}-D output, not a (B, C, h, w) map")
+        raise ValueError(
+            f"{panel.label}: stage {panel.stage} gives a {feat.ndim}-D output, not a (B, C, h, w) map"
+        )
     _, C, h, w = feat.shape
     panel.info = {"channels": C, "feature_size": [h, w], "centre": [h // 2, w // 2]}
 
 
-def erf_map(
-    panel: Panel, images: torch.Tensor, device: torch.device, micro_batch: int
-) -> torch.Tensor:
+def erf_map(panel: Panel, images: torch.Tensor, device: torch.device, micro_batch: int) -> torch.Tensor:
     """Mean over ``images`` of ``sum_rgb |d s / d image|`` (``s``: centre feature of the stage, summed over
     channels), as a float64 ``(H, W)`` map on the CPU. Call :func:`probe_stage` first."""
     model = panel.model.to(device).eval()
@@ -446,23 +471,31 @@ def erf_map(
     return total / len(images)
 
 
-def area_fractions(erf: torch.Tensor, levels: Sequence[float] = MASS_LEVELS) -> Dict[str, Any]:
+def area_fractions(erf: torch.Tensor, levels: Sequence[float] = MASS_LEVELS) -> dict[str, Any]:
     """Smallest share of pixels holding each level of the map's mass, and the value each region starts at."""
     flat = erf.flatten().double()
     total = flat.sum()
     if not total > 0:
-        raise ValueError("the ERF map is zero everywhere: the chosen stage's centre does not depend on the input")
+        raise ValueError(
+            "the ERF map is zero everywhere: the chosen stage's centre does not depend on the input"
+        )
     values, _ = flat.sort(descending=True)
     cum = values.cumsum(0) / total
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for p in levels:
         # First k with cum[k-1] >= p; the clamp absorbs a last cumsum a rounding below 1.0.
         k = min(int(torch.searchsorted(cum, torch.tensor([p], dtype=cum.dtype)).item()) + 1, flat.numel())
-        out[f"{round(100 * p)}"] = {"fraction": k / flat.numel(), "pixels": k, "threshold": float(values[k - 1])}
+        out[f"{round(100 * p)}"] = {
+            "fraction": k / flat.numel(),
+            "pixels": k,
+            "threshold": float(values[k - 1]),
+        }
     return out
 
 
-def plot_model(panels: Sequence[Panel], maps: Sequence[torch.Tensor], fractions: Sequence[Dict[str, Any]], title: str):
+def plot_model(
+    panels: Sequence[Panel], maps: Sequence[torch.Tensor], fractions: Sequence[dict[str, Any]], title: str
+):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -480,7 +513,8 @@ def plot_model(panels: Sequence[Panel], maps: Sequence[torch.Tensor], fractions:
         stride = panel.model.feature_info[panel.stage].get("reduction", "?")
         ax.set_title(
             f"{panel.label}, {panel.caption}\nstage {panel.stage} (stride {stride}, {h}x{w} map)\n"
-            f"50% of mass in {100 * fr['50']['fraction']:.1f}%, 90% in {100 * fr['90']['fraction']:.1f}% of image",
+            f"50% of mass in {100 * fr['50']['fraction']:.1f}%, "
+            f"90% in {100 * fr['90']['fraction']:.1f}% of image",
             fontsize=8,
         )
         ax.set_xticks([])
@@ -496,7 +530,7 @@ def plot_model(panels: Sequence[Panel], maps: Sequence[torch.Tensor], fractions:
 # ------------------------------------------------------------------------------------------ driver
 
 
-def _write(fig, png: Path, summary: Dict[str, Any]) -> Path:
+def _write(fig, png: Path, summary: dict[str, Any]) -> Path:
     import matplotlib.pyplot as plt
 
     from gspn2.train.checkpoint import atomic_write_bytes
@@ -519,7 +553,7 @@ def prepare_op_run(args: argparse.Namespace):
     return png, size, pixel
 
 
-def run_op(args: argparse.Namespace, prepared=None) -> Dict[str, Any]:
+def run_op(args: argparse.Namespace, prepared=None) -> dict[str, Any]:
     png, size, pixel = prepared or prepare_op_run(args)
     cones = op_cones(size, pixel, args.chunk, args.gates, args.seed)
     summary = op_summary(cones)
@@ -527,9 +561,14 @@ def run_op(args: argparse.Namespace, prepared=None) -> Dict[str, Any]:
     fig = plot_op(cones)
     js = _write(fig, png, summary)
     for row in summary["directions"]:
-        print(f"direction {row['direction']} ({row['scan']}): reaches {row['pixels']} inputs "
-              f"({100 * row['fraction']:.1f}%), rows {row['rows']}, cols {row['cols']}")
-    print(f"union: {summary['union_pixels']} of {size[0] * size[1]} inputs ({100 * summary['union_fraction']:.1f}%)")
+        print(
+            f"direction {row['direction']} ({row['scan']}): reaches {row['pixels']} inputs "
+            f"({100 * row['fraction']:.1f}%), rows {row['rows']}, cols {row['cols']}"
+        )
+    print(
+        f"union: {summary['union_pixels']} of {size[0] * size[1]} inputs "
+        f"({100 * summary['union_fraction']:.1f}%)"
+    )
     print(png)
     print(js)
     return summary
@@ -552,7 +591,7 @@ def prepare_model_run(args: argparse.Namespace):
         files = pick_images(list_images(args.data), args.batch, args.seed, args.data)
     # Seeded before any model is built: random-init weights, noise and image choice all follow --seed.
     torch.manual_seed(args.seed)
-    panels: List[Panel] = []
+    panels: list[Panel] = []
     ckpt_sizes = []
     for path in args.checkpoints:
         panel, size = build_checkpoint_panel(path, args.stage, args.ema)
@@ -571,7 +610,7 @@ def prepare_model_run(args: argparse.Namespace):
     return png, device, files, img_size, panels
 
 
-def run_model(args: argparse.Namespace, prepared=None) -> Dict[str, Any]:
+def run_model(args: argparse.Namespace, prepared=None) -> dict[str, Any]:
     png, device, files, img_size, panels = prepared or prepare_model_run(args)
     noise = None if files is not None else noise_images(args.batch, img_size, args.seed)
     maps, fractions, rows = [], [], []
@@ -597,8 +636,10 @@ def run_model(args: argparse.Namespace, prepared=None) -> Dict[str, Any]:
                 "pixels_90": fr["90"]["pixels"],
             }
         )
-        print(f"{panel.label} ({panel.source}), stage {panel.stage}: 50% of the ERF in "
-              f"{100 * fr['50']['fraction']:.2f}% of the image, 90% in {100 * fr['90']['fraction']:.2f}%")
+        print(
+            f"{panel.label} ({panel.source}), stage {panel.stage}: 50% of the ERF in "
+            f"{100 * fr['50']['fraction']:.2f}% of the image, 90% in {100 * fr['90']['fraction']:.2f}%"
+        )
     images_text = f"{args.batch} images of {args.data}" if files is not None else f"{args.batch} noise images"
     summary = {
         "mode": "model",
@@ -616,35 +657,51 @@ def run_model(args: argparse.Namespace, prepared=None) -> Dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="mode", required=True)
 
     op = sub.add_parser("op", help="exact dependency cones of gspn_propagate for one pixel")
     op.add_argument("--size", type=parse_size, default=(33, 33), help="image size N or HxW (default 33)")
-    op.add_argument("--pixel", type=int, nargs=2, metavar=("ROW", "COL"), help="output pixel (default: centre)")
-    op.add_argument("--chunk", type=int, default=None, help="restart the scan every CHUNK steps (default: global)")
+    op.add_argument(
+        "--pixel", type=int, nargs=2, metavar=("ROW", "COL"), help="output pixel (default: centre)"
+    )
+    op.add_argument(
+        "--chunk", type=int, default=None, help="restart the scan every CHUNK steps (default: global)"
+    )
     op.add_argument("--gates", default="uniform", help="uniform, random, or a .pt tensor (4, 3, H, W)")
     op.add_argument("--seed", type=int, default=0, help="seed of --gates random")
     op.add_argument("--out", required=True, help="PNG path; the JSON is written next to it")
 
     model = sub.add_parser("model", help="effective receptive field of models and train.py checkpoints")
-    model.add_argument("--models", nargs="+", default=[], metavar="NAME", help="timm model names (gspn2_* too)")
+    model.add_argument(
+        "--models", nargs="+", default=[], metavar="NAME", help="timm model names (gspn2_* too)"
+    )
     model.add_argument("--checkpoints", nargs="+", default=[], metavar="PATH", help="train.py checkpoints")
     model.add_argument("--ema", action="store_true", help="the checkpoints' EMA weights")
     model.add_argument("--pretrained", action="store_true", help="timm's pretrained weights for --models")
-    model.add_argument("--stage", type=int, default=-1, help="stage (feature_info index) whose centre is used")
-    model.add_argument("--img-size", type=parse_size, default=None,
-                       help="N or HxW (default: the checkpoints' training size, else 224)")
+    model.add_argument(
+        "--stage", type=int, default=-1, help="stage (feature_info index) whose centre is used"
+    )
+    model.add_argument(
+        "--img-size",
+        type=parse_size,
+        default=None,
+        help="N or HxW (default: the checkpoints' training size, else 224)",
+    )
     model.add_argument("--data", default=None, help="folder of images (searched recursively); default: noise")
     model.add_argument("--batch", type=int, default=16, help="images averaged over (default 16)")
     model.add_argument("--micro-batch", type=int, default=None, help="images per backward (default: --batch)")
-    model.add_argument("--seed", type=int, default=0, help="seed of the noise or of the choice of --data images")
+    model.add_argument(
+        "--seed", type=int, default=0, help="seed of the noise or of the choice of --data images"
+    )
     model.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     model.add_argument("--out", required=True, help="PNG path; the JSON is written next to it")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from gspn2.train.checkpoint import CheckpointError
 
     parser = build_parser()

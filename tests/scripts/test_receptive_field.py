@@ -1,4 +1,4 @@
-"""scripts/receptive_field.py: op cones against the analytic cone, the model ERF, checkpoints, bad arguments."""
+"""scripts/receptive_field.py: op cones against the analytic cone, model ERFs, checkpoints, bad arguments."""
 
 from __future__ import annotations
 
@@ -210,9 +210,8 @@ def test_model_erf_matches_per_image_gradients(rf):
 
 
 def test_model_main_with_checkpoint_and_timm_peer(rf, tmp_path, capsys):
-    from tests.train._helpers import compose_cfg
-
     from gspn2.train.checkpoint import CHECKPOINT_FORMAT, save_checkpoint
+    from tests.train._helpers import compose_cfg
 
     torch.manual_seed(0)
     cfg = OmegaConf.to_container(compose_cfg([]), resolve=True)
@@ -221,8 +220,15 @@ def test_model_main_with_checkpoint_and_timm_peer(rf, tmp_path, capsys):
     model = timm.create_model("gspn2_micro", num_classes=10)
     ckpt = tmp_path / "best.pt"
     save_checkpoint(
-        {"format": CHECKPOINT_FORMAT, "model": model.state_dict(), "model_name": "gspn2_micro", "ema": None,
-         "epoch": 3, "step": 66, "config": cfg},
+        {
+            "format": CHECKPOINT_FORMAT,
+            "model": model.state_dict(),
+            "model_name": "gspn2_micro",
+            "ema": None,
+            "epoch": 3,
+            "step": 66,
+            "config": cfg,
+        },
         ckpt,
     )
     images = tmp_path / "images"
@@ -230,8 +236,21 @@ def test_model_main_with_checkpoint_and_timm_peer(rf, tmp_path, capsys):
         (images / str(k)).mkdir(parents=True)
         Image.new("RGB", (32, 32), (40 * k, 80, 200 - 50 * k)).save(images / str(k) / f"{k}.png")
     out = tmp_path / "erf.png"
-    argv = ["model", "--checkpoints", str(ckpt), "--models", "resnet10t", "--data", str(images), "--batch", "3",
-            "--stage", "1", "--out", str(out)]
+    argv = [
+        "model",
+        "--checkpoints",
+        str(ckpt),
+        "--models",
+        "resnet10t",
+        "--data",
+        str(images),
+        "--batch",
+        "3",
+        "--stage",
+        "1",
+        "--out",
+        str(out),
+    ]
     summary = rf.main(argv)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(out.with_suffix(".json").read_text()) == summary
@@ -243,8 +262,22 @@ def test_model_main_with_checkpoint_and_timm_peer(rf, tmp_path, capsys):
         assert 0 < row["area_fraction_50"] <= row["area_fraction_90"] <= 1
     # The checkpoint's panel is the ERF of exactly those weights, on the images its data config normalises.
     files = rf.list_images(str(images))
-    panel = rf.Panel("m", "s", "c", model, 1, 4, rf._data_of(
-        {"mean": cfg["data"]["mean"], "std": cfg["data"]["std"], "crop_pct": 1.0, "interpolation": "bicubic"}))
+    panel = rf.Panel(
+        "m",
+        "s",
+        "c",
+        model,
+        1,
+        4,
+        rf._data_of(
+            {
+                "mean": cfg["data"]["mean"],
+                "std": cfg["data"]["std"],
+                "crop_pct": 1.0,
+                "interpolation": "bicubic",
+            }
+        ),
+    )
     rf.probe_stage(panel, (32, 32), torch.device("cpu"))
     direct = rf.erf_map(panel, rf.load_images(files, (32, 32), panel.data), torch.device("cpu"), 3)
     assert gspn["area_fraction_50"] == rf.area_fractions(direct)["50"]["fraction"]
@@ -279,7 +312,18 @@ def test_data_folder_with_too_few_images(rf, tmp_path, capsys):
     (tmp_path / "imgs").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "a.png")
     with pytest.raises(SystemExit):
-        rf.main(["model", "--models", "gspn2_micro", "--data", str(tmp_path / "imgs"), "--batch", "2",
-                 "--out", str(tmp_path / "x.png")])
+        rf.main(
+            [
+                "model",
+                "--models",
+                "gspn2_micro",
+                "--data",
+                str(tmp_path / "imgs"),
+                "--batch",
+                "2",
+                "--out",
+                str(tmp_path / "x.png"),
+            ]
+        )
     assert "--batch 2 needs 2 images" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["imgs"]
