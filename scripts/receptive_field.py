@@ -34,6 +34,7 @@ import argparse
 import io
 import json
 import math
+import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,8 +73,14 @@ def _png_path(out: str) -> Path:
     path = Path(out)
     if path.suffix.lower() != ".png":
         raise ValueError(f"--out must name a .png file (the JSON goes next to it), got {out!r}")
-    if path.exists() and not path.is_file():
-        raise ValueError(f"--out {out!r} exists and is not a file")
+    for target in (path, path.with_suffix(".json")):
+        if target.exists() and not target.is_file():
+            raise ValueError(f"--out {out!r}: {str(target)!r} exists and is not a file")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {out!r}: {str(parent)!r} is not a directory")
+            break
     return path
 
 
@@ -130,9 +137,10 @@ def make_gates(kind: str, size: tuple[int, int], seed: int) -> torch.Tensor:
         raise ValueError(f"--gates must be one of {GATE_CHOICES} or an existing .pt file, got {kind!r}")
     try:
         gates = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        first = str(e).splitlines()[0] if str(e) else ""
         raise ValueError(
-            f"--gates {kind!r} could not be read as a tensor file ({type(e).__name__}: {e})"
+            f"--gates {kind!r} could not be read as a tensor file ({type(e).__name__}: {first})"
         ) from e
     if not isinstance(gates, torch.Tensor) or not gates.is_floating_point():
         raise ValueError(f"--gates {kind!r} must hold one floating-point tensor, got {type(gates).__name__}")
@@ -483,7 +491,7 @@ def area_fractions(erf: torch.Tensor, levels: Sequence[float] = MASS_LEVELS) -> 
     cum = values.cumsum(0) / total
     out: dict[str, Any] = {}
     for p in levels:
-        # First k with cum[k-1] >= p; the clamp absorbs a last cumsum a rounding below 1.0.
+        # First k with cum[k-1] >= p; min() keeps k in range should rounding leave cum[-1] just below p.
         k = min(int(torch.searchsorted(cum, torch.tensor([p], dtype=cum.dtype)).item()) + 1, flat.numel())
         out[f"{round(100 * p)}"] = {
             "fraction": k / flat.numel(),

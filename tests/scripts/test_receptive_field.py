@@ -92,6 +92,9 @@ def test_random_and_file_gates(rf, tmp_path):
     torch.save(torch.zeros(4, 3, 5, 5), path)
     with pytest.raises(ValueError, match=r"--gates .* has shape \(4, 3, 5, 5\)"):
         rf.op_cones(size, pixel, chunk=None, gates=str(path))
+    path.write_bytes(b"not a tensor file")
+    with pytest.raises(ValueError, match="could not be read as a tensor file"):
+        rf.op_cones(size, pixel, chunk=None, gates=str(path))
 
 
 def test_op_main_writes_png_and_json(rf, tmp_path, capsys):
@@ -138,11 +141,18 @@ def test_op_refuses_sizes_where_the_support_could_underflow(rf, tmp_path, capsys
     assert torch.equal(cones.regions[2], analytic_cone(30, 30, 15, 15, 2, 4))
 
 
-def test_out_must_be_png(rf, tmp_path, capsys):
+def test_out_must_be_png_in_a_directory(rf, tmp_path, capsys):
     with pytest.raises(SystemExit):
         rf.main(["op", "--size", "5", "--out", str(tmp_path / "x.jpg")])
     assert "--out must name a .png" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    (tmp_path / "y.json").mkdir()
+    for out, message in ((tmp_path / "file" / "x.png", "is not a directory"), (tmp_path / "y.png", "y.json")):
+        with pytest.raises(SystemExit):
+            rf.main(["op", "--size", "5", "--out", str(out)])
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "y.json"]
 
 
 # ------------------------------------------------------------------------------------------- model
