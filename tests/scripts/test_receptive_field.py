@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
+import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
 from tests.scripts._load import script_module
 
 
@@ -217,6 +218,24 @@ def test_model_erf_matches_per_image_gradients(rf):
         feat[:, :, feat.shape[2] // 2, feat.shape[3] // 2].sum().backward()
         single.append(x.grad.abs().sum(dim=1)[0].double())
     torch.testing.assert_close(batched, torch.stack(single).mean(0), rtol=1e-5, atol=1e-9)
+
+
+def test_model_erf_of_global_scans_reaches_every_input(rf):
+    """Stage 0 of gspn2_micro at 64x64: with global scans every input pixel reaches the centre feature;
+    with scans restarting every step (chunk=1) only the convolutions' neighbourhood does."""
+    import timm
+
+    supports = {}
+    for chunk in (None, 1):
+        torch.manual_seed(0)
+        model = timm.create_model("gspn2_micro", stage_chunks=(chunk, None, None, None))
+        panel = rf.Panel("gspn2_micro", "test", "test", model, 0, 4, None)
+        rf.probe_stage(panel, (64, 64), torch.device("cpu"))
+        supports[chunk] = rf.erf_map(panel, rf.noise_images(2, (64, 64), 0), torch.device("cpu"), 2) > 0
+    assert supports[None].all()
+    local = supports[1]
+    assert local[32, 32] and not local[0].any() and not local[:, 0].any() and not local[-1].any()
+    assert local.sum() < 0.6 * local.numel()
 
 
 def test_model_main_with_checkpoint_and_timm_peer(rf, tmp_path, capsys):
