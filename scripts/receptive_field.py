@@ -702,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--batch", type=int, default=16, help="images averaged over (default 16)")
     model.add_argument("--micro-batch", type=int, default=None, help="images per backward (default: --batch)")
     model.add_argument(
-        "--seed", type=int, default=0, help="seed of the noise or of the choice of --data images"
+        "--seed", type=int, default=0, help="seed of random-init weights, noise and the choice of --data images"
     )
     model.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     model.add_argument("--out", required=True, help="PNG path; the JSON is written next to it")
