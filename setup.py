@@ -64,8 +64,8 @@ def _extensions() -> tuple[list, dict]:
         name="gspn2._C",
         sources=[
             os.path.join(CSRC, "propagate.cpp"),
-            os.path.join(CSRC, "propagate_kernel.cu"),
-            os.path.join(CSRC, "propagate_fast.cu"),
+            os.path.join(CSRC, "propagate_general.cu"),
+            os.path.join(CSRC, "propagate_streaming.cu"),
             os.path.join(CSRC, "propagate_cluster.cu"),
             os.path.join(CSRC, "dwconv.cpp"),
             os.path.join(CSRC, "dwconv_kernel.cu"),

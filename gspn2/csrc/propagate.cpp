@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dwconv.h"
 #include "message.h"
 #include "propagate.h"
 
@@ -144,7 +145,7 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // scans' copies longer runs along W (up to 128 bytes per line position and plane: whole cache lines),
 // so the tile is the longest that fits the budget; then the widest channel slice (the gates of a
 // group are read by fewer blocks). Two buffers (loads overlap compute) unless only one fits.
-// Streaming kernels (propagate_fast.cu) for lines of up to kFastMaxLine pixels: one thread per line
+// Streaming kernels (propagate_streaming.cu) for lines of up to kFastMaxLine pixels: one thread per line
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
 // multiple of the tile and it fits. kernel='general' forces the general kernels (tests, comparisons).
@@ -550,7 +551,11 @@ py::dict limits() {
   d["cluster_auto_min_line"] = kClusterAutoMinLine;
   d["cluster_auto_min_elems_bwd"] = kClusterAutoMinElemsBwd;
   d["cluster_auto_min_line_bwd_16bit"] = kClusterAutoMinLineBwd16;
-  d["dwconv_kernel_sizes"] = py::make_tuple(3, 5, 7);
+  py::list sizes;
+  for (int k = 1; k <= 15; ++k) {
+    if (dwconv_kernel_size_supported(k)) sizes.append(k);
+  }
+  d["dwconv_kernel_sizes"] = py::tuple(sizes);
   d["ablate"] = kAblate;
   return d;
 }

@@ -1,4 +1,4 @@
-// Shared by the host code (propagate.cpp) and the kernels (propagate_kernel.cu): the one params
+// Shared by the host code (propagate.cpp) and the kernels (propagate_general.cu): the one params
 // struct, the launch plan and the shared-memory layout. No torch headers here, so the .cu file
 // compiles without them.
 #pragma once
@@ -101,7 +101,7 @@ struct PropagateParams {
   int nbuf;    // input tile buffers: 2 = the next tile lands while this one is computed; 1 for long lines
   int E;       // elements per vertical-scan access along W: the widest power of two <= 16 bytes dividing W
   int smem_bytes;
-  // Streaming kernels (propagate_fast.cu), chosen when kernel == 2.
+  // Streaming kernels (propagate_streaming.cu), chosen when kernel == 2.
   int kernel;  // 1: general kernels, 2: streaming kernels
   int nt;      // threads per block: one per line position, rounded up to a warp
   int pp;      // floats per fp32 exchange line in shared memory (longest line + 2 halo, rounded)
@@ -216,12 +216,12 @@ __host__ __device__ inline SmemLayout smem_layout(const PropagateParams& p, bool
 }
 
 // Launchers. Each launches on `stream` and checks the launch.
-// propagate_kernel.cu: the general kernels (shared-memory tiles, any line length up to ~4096).
+// propagate_general.cu: the general kernels (shared-memory tiles, any line length up to ~4096).
 void launch_forward(const PropagateParams& p, cudaStream_t stream);
 void launch_backward(const PropagateParams& p, cudaStream_t stream);
 // grad_x = sum of the four directions' fp32 terms, gate gradients = sum of the slices' partials.
 void launch_backward_reduce(const PropagateParams& p, cudaStream_t stream);
-// propagate_fast.cu: the streaming kernels (lines of up to kFastMaxLine pixels; plan_fast() decides).
+// propagate_streaming.cu: the streaming kernels (lines of up to kFastMaxLine pixels; plan_fast() decides).
 void launch_forward_fast(const PropagateParams& p, cudaStream_t stream);
 
 struct ClusterShape {

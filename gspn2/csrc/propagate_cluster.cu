@@ -1,6 +1,7 @@
-// Forward of the two horizontal directions (d = 0, 1: lines are image columns, steps along W) with each
-// line split over a thread-block cluster (sm_90). Used by the streaming plan when it pays
-// (docs/kernel.md, "Cluster kernel"); the vertical directions then run in the streaming kernel.
+// The cluster kernels: forward and backward of the two horizontal directions (d = 0, 1: lines are image
+// columns, steps along W) with each line split over a thread-block cluster (sm_90). Used by the streaming
+// plan when they pay (docs/kernel.md, "Cluster kernels"); the vertical directions then run in the streaming
+// kernels. The forward is described here; the backward (further down) uses the same tiling for the adjoint.
 //
 // Cluster of NCTA CTAs per (d, b, c): CTA `rank` owns rows [rank * R, rank * R + R) of the line and also
 // computes HALO rows on either side ("trapezoid" tiling: a halo row's value goes stale one row further in
@@ -18,7 +19,7 @@
 //   5. the boundary rows' last values go to the neighbours' inboxes (remote stores, then arrive), the own
 //      rows' outputs to an output stage that leaves as TMA box stores.
 // The arithmetic per pixel is the streaming kernels' (same normalisation, same fma order): the outputs
-// are bitwise equal to GSPN2_KERNEL=fast (tested).
+// are bitwise equal to the streaming kernels' (kernel='fast'; tested).
 #include <cooperative_groups.h>
 #include <stdexcept>
 #include <string>

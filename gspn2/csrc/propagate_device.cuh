@@ -1,5 +1,5 @@
-// Device helpers shared by the two kernel families (propagate_kernel.cu: general, shared-memory
-// tiles; propagate_fast.cu: register streaming for lines of up to 1024 pixels).
+// Device helpers shared by the two kernel families (propagate_general.cu: general, shared-memory
+// tiles; propagate_streaming.cu: register streaming for lines of up to 1024 pixels).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from gspn2.ops.options import CLUSTER_CTAS, KERNELS
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: The largest ``chunk`` the op's schema (a 64-bit int) carries.
 CHUNK_MAX = 2**63 - 1
-KERNELS = ("auto", "fast", "general", "cluster")
-CLUSTER_CTAS = (0, 2, 4, 8)
 
 
 def check_chunk(chunk) -> None:

@@ -41,8 +41,8 @@ from gspn2.ops._amp import autocast_enabled, cast_optional
 
 __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_available"]
 
-#: Kernel sizes the CUDA kernel implements (gspn2/csrc/dwconv.h; ``gspn2.ops._cuda.limits()`` reads them) ...
-KERNEL_SIZES = (3, 5, 7)
+#: Kernel sizes the CUDA kernel implements, from the extension (gspn2/csrc/dwconv.h); none without it ...
+KERNEL_SIZES = tuple(_cuda.limits()["dwconv_kernel_sizes"]) if _cuda.extension_available() else ()
 #: ... and those ``dwconv="auto"`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
 AUTO_KERNEL_SIZES = (3,)
 

@@ -34,7 +34,9 @@ from typing import Iterator, Mapping
 
 __all__ = [
     "BACKEND_ENV",
+    "CLUSTER_CTAS",
     "DWCONV_ENV",
+    "KERNELS",
     "KERNEL_ENV",
     "Options",
     "backend",
@@ -50,12 +52,15 @@ BACKEND_ENV = "GSPN2_BACKEND"
 KERNEL_ENV = "GSPN2_KERNEL"
 DWCONV_ENV = "GSPN2_DWCONV"
 
+#: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
+KERNELS = ("auto", "fast", "general", "cluster")
+CLUSTER_CTAS = (0, 2, 4, 8)
 _CHOICES = {
     "backend": ("auto", "cuda", "reference"),
-    "kernel": ("auto", "fast", "general", "cluster"),
+    "kernel": KERNELS,
     "dwconv": ("auto", "cuda", "cudnn"),
 }
-_INTS = {"cluster_ctas": (0, 2, 4, 8), "dwconv_tile": (4, 8), "dwconv_vec": (4, 8)}
+_INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile": (4, 8), "dwconv_vec": (4, 8)}
 _ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV}
 
 

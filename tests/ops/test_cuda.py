@@ -33,7 +33,7 @@ LOWP_SLACK = 1e-4
 # (B, C, H, W, K, chunk): H != W, K in {1, 4, C}, groups larger than one block's channel slice (32 > 16),
 # lines of one pixel, lines longer than 1024 pixels, W not a multiple of the access width, chunks that
 # do not divide the scan length, long lines with many tiles. Lines of up to 1024 pixels run the streaming
-# kernels (propagate_fast.cu): small blocks with 1, 2 and 4 channels (2 and 4 only when that still gives
+# kernels (propagate_streaming.cu): small blocks with 1, 2 and 4 channels (2 and 4 only when that still gives
 # the GPU 132 blocks: hence B = 33 and 17), big blocks (one channel, group split over several blocks),
 # horizontal scans through the tile stage (W % 8 == 0 forward, W % 4 == 0 backward) and through the ring;
 # longer lines run the general kernels.

@@ -1,4 +1,6 @@
-// Fused four-direction GSPN propagation: forward and backward kernels.
+// The general kernels (any line length up to about 4096 pixels): forward and backward of all four directions,
+// and the backward's reduce pass, which every kernel family shares (grad_x = the sum of the directions' fp32
+// terms, gate gradients = the sum of the slices' partials).
 //
 // One launch covers all four directions: block (d, b, group, slice) scans one direction of one image
 // for a slice of `cs` channels that share one affinity group. The whole line (H or W positions) lives

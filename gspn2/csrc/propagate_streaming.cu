@@ -1,5 +1,5 @@
 // Streaming propagation kernels for lines of up to kFastMaxLine (1024) pixels: every model shape and
-// images up to 1024^2. Lines longer than that run the general kernels (propagate_kernel.cu).
+// images up to 1024^2. Lines longer than that run the general kernels (propagate_general.cu).
 //
 // Same decomposition as the general kernels: one launch covers the four directions, block
 // (d, b, group, slice) owns whole lines of `CS` channels of one affinity group, one thread per line
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
 }
 
 // ------------------------------------------------------------------------------------------------
-// Backward: the reverse scan (see propagate_kernel.cu for the recurrence). Exchange line layout:
+// Backward: the reverse scan (see propagate_general.cu for the recurrence). Exchange line layout:
 // ex[parity][kind][c][pp], kinds 0..2 = C_o = w_o * adj of offsets -1, 0, +1; kind 3 = h_{s-1}.
 // ------------------------------------------------------------------------------------------------
 
