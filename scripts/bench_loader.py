@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("root", help="image folder with train/ and val/ class folders (data.root)")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. data.batch_size=64")
     parser.add_argument("--experiment", default="in1k_gspn2_tiny", help="configs/experiment/<name>.yaml")
-    parser.add_argument("--workers", type=int, nargs="+", help="data.num_workers values (default: the config's)")
+    parser.add_argument("--workers", type=int, nargs="+",
+                        help="data.num_workers values (default: the config's)")
     parser.add_argument("--batches", type=int, default=100, help="timed batches per worker count")
     parser.add_argument("--warmup", type=int, help="untimed batches first, the first included "
                         "(default: 2 per worker + 2, so every worker is past its start-up)")

@@ -158,7 +158,8 @@ def render(seed: int, split: str, cls: int, index: int) -> Image.Image:
     pixels = _field(rng, size, style)
     img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
     _shapes(rng, img, style)
-    noisy = np.asarray(img, dtype=np.float32) + style.noise * rng.standard_normal(pixels.shape, dtype=np.float32)
+    noise = style.noise * rng.standard_normal(pixels.shape, dtype=np.float32)
+    noisy = np.asarray(img, dtype=np.float32) + noise
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
 
 

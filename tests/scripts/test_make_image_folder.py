@@ -1,4 +1,4 @@
-"""scripts/make_image_folder.py: the size distribution, a tiny folder, determinism, refusals, bad arguments."""
+"""scripts/make_image_folder.py: size distribution, a tiny folder, determinism, refusals, bad arguments."""
 
 from __future__ import annotations
 
