@@ -1,0 +1,216 @@
+"""Throughput of the training data loader alone, built exactly as ``train.py`` builds it.
+
+The experiment's configuration is composed by Hydra from ``configs/`` (``experiment=<name>`` plus any
+overrides), then the loader comes from the trainer's own functions (``build_transform``,
+``build_dataset``, ``build_train_loader``), is seeded per epoch like the trainer's loop, and its batches
+are copied to the device the trainer would use. No model runs: the figure is the rate at which the loader
+can feed a training step.
+
+    python scripts/make_image_folder.py data/fake_in1k --classes 100 --train-per-class 300
+    python scripts/bench_loader.py data/fake_in1k                                # the experiment's workers
+    python scripts/bench_loader.py data/fake_in1k --workers 4 8 12 16 --json runs/loader.json
+    python scripts/bench_loader.py data/fake_in1k data.batch_size=64 --experiment in1k_gspn2_small
+
+Per worker count: the time to the first batch (worker start-up), then ``--warmup`` batches untimed
+(by default two per worker and two more: every worker has delivered before the clock starts), then img/s
+over ``--batches`` batches. An epoch that ends inside the run is followed by the next one, as
+in training (its worker start-up is then part of the timed span). ``--workers`` overrides
+``data.num_workers``; with several values the loader is rebuilt for each, in the order given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import PIL
+import torch
+import torchvision
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from gspn2.train.config import TrainConfig, register_configs, validate
+from gspn2.train.data import (
+    build_dataset,
+    build_train_loader,
+    build_transform,
+    check_image_folder,
+    write_digits,
+)
+from gspn2.train.distributed import configure_torch, destroy, init_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def compose_config(experiment: str, root: str, overrides: list[str]):
+    """``configs/train.yaml`` composed with ``experiment=<experiment> data.root=<root> <overrides>``,
+    checked against the schema like ``train.py`` checks it."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=[f"experiment={experiment}", f"data.root={root}", *overrides])
+    validate(cfg, TrainConfig)
+    return cfg
+
+
+def build_train_data(cfg):
+    """The training dataset, as ``train.py``'s data section builds it (data.prepare included)."""
+    root = Path(cfg.data.root)
+    if cfg.data.prepare == "digits":
+        write_digits(root)
+    elif cfg.data.prepare is not None:
+        raise ValueError(f"data.prepare must be null or 'digits', got {cfg.data.prepare!r}")
+    check_image_folder(root, [cfg.data.train_split, cfg.data.val_split])
+    train_tf = build_transform(cfg.data, cfg.aug, is_training=True)
+    return build_dataset(
+        root, cfg.data.train_split, train_tf, cfg.data.train_subset, cfg.data.bad_images, replace=True
+    )
+
+
+def measure(cfg, train_set, num_workers: int, device: torch.device, batches: int, warmup: int,
+            rank: int = 0, world_size: int = 1) -> dict:
+    """One worker count: img/s of ``batches`` batches after ``warmup`` untimed ones."""
+    loader = build_train_loader(
+        train_set, cfg.data.batch_size, world_size=world_size, rank=rank, seed=cfg.seed,
+        num_workers=num_workers, pin_memory=cfg.data.pin_memory,
+    )
+    epoch, epochs_started = 0, 0
+
+    def epoch_iter():
+        nonlocal epoch, epochs_started
+        # the trainer's per-epoch seeding (train.py's epoch loop)
+        loader.sampler.set_epoch(epoch)
+        loader.generator.manual_seed(cfg.seed + 100_003 * rank + epoch)
+        epoch += 1
+        epochs_started += 1
+        return iter(loader)
+
+    def next_batch(it):
+        try:
+            images, targets = next(it)
+        except StopIteration:
+            it = epoch_iter()
+            images, targets = next(it)
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        return it, images
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    t0 = time.perf_counter()
+    it = epoch_iter()
+    it, images = next_batch(it)
+    sync()
+    first_batch_s = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        it, images = next_batch(it)
+    sync()
+    shape = list(images.shape)
+    epochs_before = epochs_started
+    t1 = time.perf_counter()
+    for _ in range(batches):
+        it, images = next_batch(it)
+    sync()
+    seconds = time.perf_counter() - t1
+    del it  # ends this loader's workers before the next worker count starts its own
+    images_timed = batches * cfg.data.batch_size
+    return {
+        "num_workers": num_workers,
+        "img_per_s": images_timed / seconds,
+        "img_per_s_per_worker": images_timed / seconds / num_workers if num_workers else None,
+        "seconds": seconds,
+        "batches": batches,
+        "warmup_batches": warmup,
+        "first_batch_s": first_batch_s,
+        "epochs_started_while_timed": epochs_started - epochs_before,
+        "batch_shape": shape,
+    }
+
+
+def _counts(values: list[int], flag: str, minimum: int) -> None:
+    bad = [v for v in values if v < minimum]
+    if bad:
+        raise SystemExit(f"{flag} must be >= {minimum}, got {bad[0]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", help="image folder with train/ and val/ class folders (data.root)")
+    parser.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. data.batch_size=64")
+    parser.add_argument("--experiment", default="in1k_gspn2_tiny", help="configs/experiment/<name>.yaml")
+    parser.add_argument("--workers", type=int, nargs="+",
+                        help="data.num_workers values (default: the config's)")
+    parser.add_argument("--batches", type=int, default=100, help="timed batches per worker count")
+    parser.add_argument("--warmup", type=int, help="untimed batches first, the first included "
+                        "(default: 2 per worker + 2, so every worker is past its start-up)")
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args(argv)
+    _counts([args.batches], "--batches", 1)
+    if args.warmup is not None:
+        _counts([args.warmup], "--warmup", 1)
+    if args.workers is not None:
+        _counts(args.workers, "--workers", 0)
+    if args.json is not None and (Path(args.json).is_dir() or not Path(args.json).parent.is_dir()):
+        raise SystemExit(f"--json {args.json!r} is a directory or its folder does not exist")
+    if not (CONFIGS / "experiment" / f"{args.experiment}.yaml").is_file():
+        raise SystemExit(f"--experiment: no configs/experiment/{args.experiment}.yaml")
+
+    cfg = compose_config(args.experiment, str(Path(args.root).resolve()), args.overrides)
+    info = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend)
+    try:
+        configure_torch(info.device, tf32=cfg.trainer.tf32, cpu_threads=cfg.trainer.cpu_threads)
+        train_set = build_train_data(cfg)
+        workers = args.workers if args.workers is not None else [cfg.data.num_workers]
+        cpus = len(os.sched_getaffinity(0))
+        print(
+            f"experiment {args.experiment}: {len(train_set)} training images under {cfg.data.root}, "
+            f"batch {cfg.data.batch_size}, device {info.device}, {cpus} CPUs "
+            f"(os.cpu_count {os.cpu_count()}), Pillow {PIL.__version__}",
+            flush=True,
+        )
+        results = []
+        for w in workers:
+            warmup = args.warmup if args.warmup is not None else 2 * w + 2
+            r = measure(cfg, train_set, w, info.device, args.batches, warmup, info.rank, info.world_size)
+            results.append(r)
+            per_worker = f", {r['img_per_s_per_worker']:.0f} per worker" if w else ""
+            print(
+                f"workers {w:3d}: {r['img_per_s']:8.1f} img/s{per_worker} "
+                f"({args.batches} batches after {warmup} warm-up, first batch after "
+                f"{r['first_batch_s']:.1f} s)",
+                flush=True,
+            )
+    finally:
+        destroy(info)
+    report = {
+        "experiment": args.experiment,
+        "overrides": args.overrides,
+        "root": cfg.data.root,
+        "train_images": len(train_set),
+        "batch_size": cfg.data.batch_size,
+        "device": str(info.device),
+        "cpus": cpus,
+        "os_cpu_count": os.cpu_count(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "pillow": PIL.__version__,
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "aug": OmegaConf.to_container(cfg.aug, resolve=True),
+        "results": results,
+    }
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

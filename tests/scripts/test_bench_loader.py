@@ -1,0 +1,65 @@
+"""scripts/bench_loader.py on a tiny folder of scripts/make_image_folder.py: CPU, no worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from gspn2.train.data import DataError
+from tests.scripts._load import script_module
+
+SCRIPT = "bench_loader"  # the `bench` fixture (tests/scripts/conftest.py) imports it
+
+# batch 2 of the 6 training images: an epoch is 3 batches
+CPU = ["data.batch_size=2", "data.pin_memory=false", "trainer.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_loader") / "fake"
+    with script_module("make_image_folder") as make:
+        make.make_image_folder(root, classes=3, train_per_class=2, val_per_class=1)
+    return root
+
+
+def test_measures_the_experiments_loader(bench, tiny_root, tmp_path):
+    out = tmp_path / "loader.json"
+    report = bench.main([str(tiny_root), *CPU, "--workers", "0", "--batches", "3", "--warmup", "1",
+                         "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["experiment"] == "in1k_gspn2_tiny" and report["train_images"] == 6
+    assert report["cpus"] == len(os.sched_getaffinity(0)) and report["device"] == "cpu"
+    # the experiment's own recipe came through Hydra's composition
+    assert report["data"]["num_classes"] == 1000 and report["data"]["img_size"] == 224
+    assert report["aug"]["auto_augment"] == "rand-m9-mstd0.5-inc1" and report["aug"]["reprob"] == 0.25
+    (r,) = report["results"]
+    assert r["num_workers"] == 0 and r["batches"] == 3 and r["warmup_batches"] == 1
+    assert r["batch_shape"] == [2, 3, 224, 224]
+    assert r["img_per_s"] == pytest.approx(3 * 2 / r["seconds"]) and r["img_per_s"] > 0
+    assert r["epochs_started_while_timed"] == 1  # 1 + 3 batches run past the 3-batch epoch
+
+
+def test_workers_default_to_the_config(bench, tiny_root, capsys):
+    report = bench.main([str(tiny_root), *CPU, "data.num_workers=0", "--batches", "1", "--warmup", "1"])
+    assert [r["num_workers"] for r in report["results"]] == [0]
+    assert report["results"][0]["warmup_batches"] == 1
+    assert "workers   0:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--batches", "0"], "--batches must be >= 1"), (["--warmup", "0"], "--warmup must be >= 1"),
+     (["--workers", "2", "-1"], "--workers must be >= 0, got -1"),
+     (["--experiment", "nope"], "--experiment: no configs/experiment/nope.yaml"),
+     (["--json", "/nonexistent/dir/x.json"], "--json")],
+)
+def test_bad_arguments_name_the_flag(bench, tiny_root, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main([str(tiny_root), *argv])
+
+
+def test_missing_root_is_a_data_error(bench, tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        bench.main([str(tmp_path / "nowhere"), *CPU, "--workers", "0", "--batches", "1"])
