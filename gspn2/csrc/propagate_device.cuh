@@ -73,7 +73,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // 1 / (1 + exp(-g)); saturates cleanly to 0 and 1.
 __device__ __forceinline__ float sigmoid(float g) { return rcp_approx(1.f + exp2_approx(-1.4426950408889634f * g)); }
 
-// Normalised gate weights of line position q (SPEC 1.1): a_k = mask_k * sigmoid(g_k),
+// Normalised gate weights of line position q (docs/spec.md, "The propagation operator"): a_k = mask_k * sigmoid(g_k),
 // w_k = a_k / max(sum_k a_k, eps).
 struct Gates {
   float s0, s1, s2;  // sigmoid(g_k)

@@ -36,7 +36,7 @@ __all__ = [
     "gspn_propagate_backward_ref",
 ]
 
-#: Lower bound of the normaliser ``sum of valid sigmoid(gates)`` (SPEC 1.1).
+#: Lower bound of the normaliser ``sum of valid sigmoid(gates)`` (docs/spec.md, "The propagation operator").
 NORM_EPS = 1e-7
 
 
