@@ -452,6 +452,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
                     "format": CHECKPOINT_FORMAT,
                     "model": model.state_dict(),
                     "model_name": cfg.model.name,
+                    "classes": list(train_set.classes),  # class folder names, for eval.py predict=
                     "ema": ema.module.state_dict() if ema is not None else None,
                     "ema_updates": step if ema is not None else 0,
                     "optimizer": optimizer.state_dict(),

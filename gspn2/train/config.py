@@ -368,7 +368,6 @@ def check_eval_config(cfg, check_paths: bool = True) -> None:
     _check_int(cfg, "data.num_workers", 0)
     if not check_paths:
         return
-    _check_file("checkpoint", cfg.checkpoint)
     if cfg.data.root is not None and not Path(cfg.data.root).is_dir():
         raise ConfigError(f"data.root={cfg.data.root}: no such directory")
     if cfg.predict is not None and not Path(cfg.predict).is_dir():
