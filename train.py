@@ -30,6 +30,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -129,6 +130,17 @@ def resume_command(overrides: list[str], run_dir: Path) -> str:
     return " ".join(["python train.py", *kept, f"run_dir={run_dir}"])
 
 
+def worker_count_note(num_workers: int) -> str | None:
+    """One note if ``num_workers`` exceeds this process's CPU cores, in place of DataLoader's warning,
+    which it repeats at every epoch's iterator (libraries that touch the warning filters reset the
+    registry that would show it once); that warning is silenced."""
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if num_workers <= cores:
+        return None
+    return f"note: data.num_workers={num_workers} loader processes share {cores} CPU core(s): expect contention"
+
+
 def wandb_line(run, mode: str) -> str:
     """The one line said about the W&B run at the end."""
     if mode == "disabled":
@@ -171,6 +183,9 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
             write_digits(root)
         barrier(info)
     check_image_folder(root, [cfg.data.train_split, cfg.data.val_split])
+    note = worker_count_note(cfg.data.num_workers)
+    if note:
+        log(note)
     train_tf = build_transform(cfg.data, cfg.aug, is_training=True)
     val_tf = build_transform(cfg.data, cfg.aug, is_training=False)
     train_set = build_dataset(root, cfg.data.train_split, train_tf, subset=cfg.data.train_subset)
