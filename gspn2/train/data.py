@@ -19,6 +19,8 @@ from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.datasets import ImageFolder
 
+from gspn2.train.checkpoint import umask_mode
+
 __all__ = [
     "DataError",
     "write_digits",
@@ -70,6 +72,7 @@ def write_digits(root: str | os.PathLike, size: int = DIGITS_SIZE) -> Path:
     )
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    os.chmod(tmp, umask_mode(0o777))  # mkdtemp's 0700 would hide the data from the user's group
     try:
         for split, indices in (("train", idx_train), ("val", idx_val)):
             for i in sorted(indices):
