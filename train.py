@@ -197,7 +197,9 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
         num_workers=cfg.data.num_workers,
         pin_memory=cfg.data.pin_memory and device.type == "cuda",  # pinning serves host-to-GPU copies only
     )
-    train_loader = build_train_loader(train_set, cfg.data.batch_size, seed=cfg.seed, **loader_args)
+    train_loader = build_train_loader(
+        train_set, cfg.data.batch_size, seed=cfg.seed, repeats=cfg.aug.repeats, **loader_args
+    )
     val_loader = build_eval_loader(val_set, cfg.data.eval_batch_size, **loader_args)
     updates_per_epoch = steps_per_epoch(train_loader, accum, cfg.trainer.limit_train_steps)
 

@@ -72,6 +72,7 @@ class AugConfig:
     mixup_switch_prob: float = 0.5
     mixup_mode: str = "batch"
     smoothing: float = 0.1
+    repeats: int = 1  # repeated augmentation: each image this many times per epoch, augmented anew
     bce_loss: bool = False  # binary cross-entropy on the (mixed, smoothed) targets instead of soft-target CE
     bce_target_thresh: Optional[float] = None  # BCE: binarise targets above this value (null: keep soft)
 
@@ -251,7 +252,7 @@ TRAIN_POSITIVE = (
     "trainer.epochs", "trainer.accum_steps", "trainer.log_interval", "trainer.cpu_threads",
     "trainer.limit_train_steps", "trainer.stop_after_steps", "data.batch_size", "data.eval_batch_size",
     "data.img_size", "data.num_classes", "data.train_subset", "data.val_subset", "optim.lr_base_size",
-    "aug.recount",
+    "aug.recount", "aug.repeats",
 )  # fmt: skip
 #: ... and those that must be >= 0.
 TRAIN_NON_NEGATIVE = (

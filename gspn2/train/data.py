@@ -184,11 +184,20 @@ class ShardedBatchSampler(Sampler[int]):
     global batches of ``world_size * batch_size`` samples; rank ``r`` takes the ``r``-th contiguous
     slice of each global batch. So ``N`` processes at batch ``b`` see exactly the samples one process
     sees at batch ``N * b``, step for step -- the property the DDP equivalence test checks. Incomplete
-    global batches at the end of an epoch are dropped.
+    global batches at the end of an epoch are dropped. With ``repeats > 1`` (repeated augmentation,
+    timm's ``--aug-repeats``) each drawn image appears ``repeats`` times in a row, each copy augmented
+    anew, and the epoch keeps its length: ``num_samples / repeats`` distinct images.
     """
 
     def __init__(
-        self, num_samples: int, batch_size: int, world_size: int, rank: int, seed: int, shuffle: bool = True
+        self,
+        num_samples: int,
+        batch_size: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        shuffle: bool = True,
+        repeats: int = 1,
     ):
         self.num_samples = num_samples
         self.batch_size = batch_size
@@ -196,6 +205,7 @@ class ShardedBatchSampler(Sampler[int]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.repeats = repeats
         self.epoch = 0
         self.num_steps = num_samples // (batch_size * world_size)
         if self.num_steps == 0:
@@ -216,6 +226,8 @@ class ShardedBatchSampler(Sampler[int]):
             order = torch.randperm(self.num_samples, generator=g)
         else:
             order = torch.arange(self.num_samples)
+        if self.repeats > 1:
+            order = order.repeat_interleave(self.repeats)[: self.num_samples]
         global_batch = self.batch_size * self.world_size
         for step in range(self.num_steps):
             start = step * global_batch + self.rank * self.batch_size
@@ -230,8 +242,9 @@ def build_train_loader(
     seed: int,
     num_workers: int,
     pin_memory: bool,
+    repeats: int = 1,
 ) -> DataLoader:
-    sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed)
+    sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed, repeats=repeats)
     return DataLoader(
         dataset,
         batch_size=batch_size,
