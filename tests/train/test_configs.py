@@ -205,9 +205,10 @@ def test_misspelt_key_in_a_yaml_file_is_an_error(tmp_path):
 
 
 # ------------------------------------------------------------------- composition of the documented commands
-def _documented_commands() -> list[tuple[str, str, list[str]]]:
-    """``(file, script, overrides)`` of every train.py / eval.py command in the code blocks of README.md
-    and docs/training.md (fenced or indented; backslash continuations joined, comments dropped)."""
+def _documented_commands() -> list[tuple[str, str, list[str], str | None]]:
+    """``(file, script, overrides, error)`` of every train.py / eval.py command in the code blocks of
+    README.md and docs/training.md (fenced or indented; backslash continuations joined, comments
+    dropped); ``error`` is the ``error: ...`` line shown right after the command, if any."""
     commands = []
     for doc in (REPO / "README.md", REPO / "docs" / "training.md"):
         lines, fenced = [], False
@@ -217,8 +218,8 @@ def _documented_commands() -> list[tuple[str, str, list[str]]]:
                 continue
             if fenced or line.startswith("    "):
                 lines.append(line.strip())
-        text = "\n".join(lines).replace("\\\n", " ")
-        for line in text.splitlines():
+        text = "\n".join(lines).replace("\\\n", " ").splitlines()
+        for n, line in enumerate(text):
             line = line.split(" #")[0]
             words = line.split()
             script = next((w for w in words if w.endswith(("train.py", "eval.py"))), None)
@@ -229,7 +230,9 @@ def _documented_commands() -> list[tuple[str, str, list[str]]]:
                 continue  # prose about the scripts, not a command
             # placeholders such as <time> are for the reader to fill in
             overrides = [re.sub(r"<([^>]*)>", r"\1", w) for w in words[at + 1 :] if w != "-m"]
-            commands.append((doc.name, Path(script).stem, overrides))
+            after = text[n + 1] if n + 1 < len(text) else ""
+            error = after[len("error: ") :] if after.startswith("error: ") else None
+            commands.append((doc.name, Path(script).stem, overrides, error))
     return commands
 
 
@@ -237,14 +240,17 @@ DOCUMENTED = _documented_commands()
 
 
 def test_the_docs_have_commands_to_check():
-    scripts = {script for _, script, _ in DOCUMENTED}
+    scripts = {script for _, script, _, _ in DOCUMENTED}
     assert scripts == {"train", "eval"} and len(DOCUMENTED) >= 15, DOCUMENTED
 
 
-@pytest.mark.parametrize("doc,script,overrides", DOCUMENTED, ids=[" ".join(c[2]) or c[1] for c in DOCUMENTED])
-def test_documented_command_composes_and_passes_the_checks(doc, script, overrides):
+@pytest.mark.parametrize(
+    "doc,script,overrides,error", DOCUMENTED, ids=[" ".join(c[2]) or c[1] for c in DOCUMENTED]
+)
+def test_documented_command_composes_and_passes_the_checks(doc, script, overrides, error):
     """Every documented command composes, and its values pass the start-up checks (paths aside: they
-    are placeholders here). A command that picks ImageNet data must not carry the digits recipe."""
+    are placeholders here), or fail with exactly the error the docs show. A command that picks ImageNet
+    data must not carry the digits recipe."""
     if script == "eval":
         cfg = compose_cfg(overrides, config_name="eval", config_dir=CONFIGS / "eval")
         validate(cfg, EvalConfig)
@@ -254,6 +260,11 @@ def test_documented_command_composes_and_passes_the_checks(doc, script, override
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     del cfg.hydra
     validate(cfg, TrainConfig)
+    if error is not None:
+        with pytest.raises(ConfigError) as raised:
+            check_train_config(cfg, check_paths=False)
+        assert str(raised.value) == error
+        return
     check_train_config(cfg, check_paths=False)
     if cfg.data.name == "imagenet":
         assert cfg.recipe != "digits"

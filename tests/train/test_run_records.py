@@ -6,12 +6,15 @@ from __future__ import annotations
 import csv
 import io
 import warnings
+from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gspn2.train.history import append_sweep_row, keep_top_k, summary_csv
 from gspn2.train.plotting import curves_figure
+from tests.train._helpers import TINY, run_cli
 
 
 def test_results_and_config_say_what_ran(short_run):
@@ -92,3 +95,20 @@ def test_dataloader_worker_warning_once_per_process(train_script, monkeypatch):
     assert note == "note: data.num_workers=2 loader processes share 1 CPU core(s): expect contention"
     assert not [w for w in caught if "DataLoader will create" in str(w.message)]
     assert train_script.worker_count_note(1) is None
+
+
+@pytest.mark.slow
+def test_multirun_writes_one_summary_row_per_job(digits_root, tmp_path):
+    sweep = tmp_path / "multirun"
+    proc = run_cli(
+        ["train.py", "-m", "seed=0,1", *TINY, f"data.root={digits_root}", f"runs_root={tmp_path / 'runs'}",
+         f"hydra.sweep.dir={sweep}", "trainer.epochs=1", "trainer.limit_train_steps=1"]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(io.StringIO((sweep / "summary.csv").read_text())))
+    assert [(r["job"], r["status"], r["overrides"].split()[0]) for r in rows] == [
+        ("0", "done", "seed=0"),
+        ("1", "done", "seed=1"),
+    ]
+    for r in rows:
+        assert (Path(r["run_dir"]) / "results.json").is_file() and r["epoch"] == "1"
