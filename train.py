@@ -5,6 +5,7 @@ Run from the repository root:
     python train.py                    # embedded default: gspn2_micro on scikit-learn's digits (CPU, ~2 min)
     python train.py trainer.epochs=5 data.batch_size=32            # any key of configs/ can be overridden
     python train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet
+    python train.py experiment=none model=gspn2_tiny data=imagenet aug=imagenet data.root=...  # by group
     torchrun --nproc_per_node=8 train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HOST:29500 \
         train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet run_dir=runs/in1k_tiny
@@ -111,6 +112,12 @@ def new_run_dir(runs_root: str, name: str) -> Path:
         run_dir = Path(runs_root) / name / f"{stamp}-{suffix}"
         suffix += 1
     return run_dir
+
+
+def class_names(dataset) -> list[str]:
+    # Not inline in train(): submitit pickles train() by value, and cloudpickle would then take the
+    # attribute name "classes" next to the global torch for the module torch.classes, which cannot be pickled.
+    return list(dataset.classes)
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -469,7 +476,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
                     "format": CHECKPOINT_FORMAT,
                     "model": model.state_dict(),
                     "model_name": cfg.model.name,
-                    "classes": list(train_set.classes),  # class folder names, for eval.py predict=
+                    "classes": class_names(train_set),  # class folder names, for eval.py predict=
                     "ema": ema.module.state_dict() if ema is not None else None,
                     "ema_updates": step if ema is not None else 0,
                     "optimizer": optimizer.state_dict(),

@@ -26,6 +26,9 @@ def test_results_and_config_say_what_ran(short_run):
     config = (run_dir / "config.yaml").read_text()
     assert config.startswith("# python train.py ") and "trainer.epochs=2" in config.splitlines()[0]
     assert f"run_dir: {run_dir}\n" in config
+    # and in the W&B run's config (the offline run's record holds the key names)
+    (record,) = run_dir.glob("wandb/offline-run-*/*.wandb")
+    assert b"op_backend" in record.read_bytes() and b"kernel_family" in record.read_bytes()
 
 
 def test_summary_csv_has_one_row_per_epoch(short_run):
