@@ -88,10 +88,10 @@ def test_dataloader_worker_warning_once_per_process(train_script, monkeypatch):
     epoch (filters touched in between reset the registry): now one note at start, no repeats."""
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
-    loader = DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2, num_workers=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         note = train_script.worker_count_note(2)
+        loader = DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2, num_workers=2)
         for _ in range(3):
             warnings.filterwarnings("ignore", message="unrelated")  # resets the per-module registries
             loader._get_iterator()._shutdown_workers()
