@@ -6,16 +6,20 @@ Run from the repository root:
     python eval.py checkpoint=runs/digits/<time>/last.pt ema=true     # the EMA weights
     python eval.py checkpoint=<path> data.root=/path/to/imagenet img_size=288
     python eval.py model_name=resnet18 data.root=/path/to/imagenet [pretrained=true]
+    python eval.py checkpoint=<path> predict=/folder/of/images [topk=5]  # predictions to a CSV file
 
 Prints top-1, top-5, loss, params, MACs and forward throughput (img/s); the last printed line is the path
 of the results JSON (default: next to the checkpoint, eval_<name>[_ema]_<size>.json; runs/eval/ for a
-model by name). Nothing is written unless the evaluation succeeds.
+model by name). With ``predict=<folder>`` it writes the top-k classes and probabilities of every image
+under the folder to a CSV instead (``<out>`` or ``predictions_<checkpoint>.csv`` next to the checkpoint).
+Nothing is written unless the evaluation succeeds; a user error is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +33,7 @@ import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
 from gspn2.counting import count_model
 from gspn2.train.build import build_model
 from gspn2.train.checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, load_model_state
-from gspn2.train.config import EvalConfig, register_configs, validate
+from gspn2.train.config import ConfigError, EvalConfig, check_eval_config, register_configs, validate
 from gspn2.train.data import (
     DataError,
     build_dataset,
@@ -40,6 +44,8 @@ from gspn2.train.data import (
 )
 from gspn2.train.distributed import all_gather_object, destroy, init_distributed
 from gspn2.train.evaluate import evaluate
+from gspn2.train.predict import ImageFiles, predict_folder
+from gspn2.train.runinfo import backend_info, describe, require_extension
 
 register_configs()
 
@@ -51,12 +57,12 @@ def _pick(override, default):
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate as ``cfg`` (a composed ``configs/eval.yaml``) says; returns the results JSON path."""
     validate(cfg, EvalConfig)
-    if (cfg.checkpoint is None) == (cfg.model_name is None):
-        raise ValueError(
-            "give exactly one of checkpoint=<train.py checkpoint> or model_name=<timm model name>"
-        )
+    check_eval_config(cfg)  # ConfigError naming the key, before anything is loaded or written
     info = init_distributed(cfg.device)
     log = print if info.is_main else (lambda *a, **k: None)
+    require_extension(info.device)
+    backend = backend_info(info.device)
+    class_names = None
 
     # ------------------------------------------------------------------------- model and its data
     if cfg.checkpoint is not None:
@@ -83,6 +89,7 @@ def run_eval(cfg: DictConfig) -> Path:
             val_subset=_pick(cfg.data.val_subset, td.val_subset),
         )
         precision = _pick(cfg.precision, train_cfg.trainer.precision)
+        class_names = ckpt.get("classes")
         name = train_cfg.model.name
         source = f"{ckpt_path} ({'EMA' if cfg.ema else 'model'} weights, epoch {ckpt['epoch']})"
         out = (
@@ -90,10 +97,12 @@ def run_eval(cfg: DictConfig) -> Path:
             if cfg.out
             else ckpt_path.parent / (f"eval_{ckpt_path.stem}{'_ema' if cfg.ema else ''}_{data.img_size}.json")
         )
+        if cfg.predict is not None and not cfg.out:
+            out = ckpt_path.parent / f"predictions_{ckpt_path.stem}{'_ema' if cfg.ema else ''}.csv"
         del ckpt
     else:
         if cfg.ema:
-            raise ValueError("ema=true needs checkpoint=<path>: a timm model by name has no EMA weights")
+            raise ConfigError("ema=true needs checkpoint=<path>: a timm model by name has no EMA weights")
         if cfg.data.root is None:
             raise DataError("model_name=... needs data.root=<folder with a val/ split of class folders>")
         extra = {"num_classes": cfg.num_classes} if cfg.num_classes is not None else {}
@@ -117,12 +126,29 @@ def run_eval(cfg: DictConfig) -> Path:
         out = (
             Path(cfg.out) if cfg.out else Path("runs/eval") / f"{cfg.model_name}_{data.img_size}_{stamp}.json"
         )
+        if cfg.predict is not None and not cfg.out:
+            out = Path("runs/eval") / f"predictions_{cfg.model_name}_{stamp}.csv"
+
+    transform = build_transform(data, None, is_training=False)
+    if cfg.predict is not None:  # unlabelled images: predictions, no metrics
+        images = ImageFiles(cfg.predict, transform)
+        model.to(info.device)
+        log(f"{name}: {source}; {describe(backend)}")
+        table = predict_folder(
+            model, images, info.device, precision, data.batch_size, cfg.data.num_workers, cfg.topk, class_names
+        )
+        if info.is_main:
+            atomic_write_bytes(out, table)
+        log(f"top-{cfg.topk} predictions of {len(images)} images of {cfg.predict}")
+        destroy(info)
+        log(out)
+        return out
 
     check_image_folder(data.root, [data.val_split])
     val_set = build_dataset(
         data.root,
         data.val_split,
-        build_transform(data, None, is_training=False),
+        transform,
         data.val_subset,
         bad_images=cfg.data.bad_images,
         replace=False,  # an unreadable image leaves the metrics, it is not replaced by another
@@ -164,14 +190,19 @@ def run_eval(cfg: DictConfig) -> Path:
         "ema": cfg.ema,
         "img_size": data.img_size,
         "crop_pct": data.crop_pct,
+        "interpolation": data.interpolation,
+        "mean": data.mean,
+        "std": data.std,
         "data_root": str(data.root),
         "val_split": data.val_split,
         "batch_size": data.batch_size,
         "precision": precision,
         "device": str(info.device),
         "world_size": info.world_size,
+        "backend": backend,
     }
     log(f"{name}: {source}")
+    log(describe(backend))
     size = f"{data.img_size}x{data.img_size}"
     log(f"params {count.params / 1e6:.3f} M | MACs {count.macs / 1e9:.4f} G at {size}")
     log(
@@ -191,7 +222,11 @@ def run_eval(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base=None, config_path="configs/eval", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    run_eval(cfg)
+    try:
+        run_eval(cfg)
+    except (ConfigError, DataError, CheckpointError) as e:  # the user's to fix: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

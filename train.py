@@ -5,6 +5,7 @@ Run from the repository root:
     python train.py                    # embedded default: gspn2_micro on scikit-learn's digits (CPU, ~2 min)
     python train.py trainer.epochs=5 data.batch_size=32            # any key of configs/ can be overridden
     python train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet
+    python train.py experiment=none model=gspn2_tiny data=imagenet aug=imagenet data.root=...  # by group
     torchrun --nproc_per_node=8 train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HOST:29500 \
         train.py experiment=in1k_gspn2_tiny data.root=/path/to/imagenet run_dir=runs/in1k_tiny
@@ -12,10 +13,12 @@ Run from the repository root:
         run_dir=runs/in1k_tiny                                     # the same job on a SLURM cluster
     python train.py run_dir=runs/mine        # re-running this after a crash resumes from runs/mine/last.pt
     python train.py resume=runs/mine/last.pt # continue that state in a new run directory
+    python train.py initial_checkpoint=weights.pth   # fine-tune from other weights (head re-initialised)
 
 The run directory (default runs/<name>/<time>) receives config.yaml, last.pt, best.pt, results.json,
-curves.png and wandb/ (offline by default; logger.mode=online to stream). The last printed line is the
-run directory. Configuration: configs/ (schema: gspn2/train/config.py); docs: docs/training.md.
+summary.csv, curves.png and wandb/ (offline by default; logger.mode=online to stream). The last printed
+line is the run directory. A wrong value, a missing file or folder is one line on stderr and a non-zero
+exit, before anything is written. Configuration: configs/ (schema: gspn2/train/config.py); docs: docs/training.md.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import random
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -33,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import wandb
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from timm.loss import SoftTargetCrossEntropy
 from timm.utils import ModelEmaV3
@@ -46,7 +54,9 @@ from gspn2.train.build import (
     build_model,
     build_optimizer,
     build_scheduler,
+    clip_gradients,
     compile_model,
+    lr_scale as lr_scale_of,
 )
 from gspn2.train.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -57,8 +67,9 @@ from gspn2.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from gspn2.train.config import COMPILE_MODES, TrainConfig, register_configs, validate
+from gspn2.train.config import ConfigError, TrainConfig, check_train_config, register_configs, validate
 from gspn2.train.data import (
+    DataError,
     ImageError,
     build_dataset,
     build_eval_loader,
@@ -82,8 +93,11 @@ from gspn2.train.distributed import (
     init_distributed,
 )
 from gspn2.train.evaluate import autocast, evaluate
+from gspn2.train.finetune import load_initial_weights
+from gspn2.train.history import append_sweep_row, keep_top_k, summary_csv
 from gspn2.train.plotting import plot_curves
 from gspn2.train.rundir import RunDirError, RunDirLock, publish, recover, resume_point, set_aside
+from gspn2.train.runinfo import backend_info, describe, require_extension
 
 register_configs()
 
@@ -104,25 +118,73 @@ def new_run_dir(runs_root: str, name: str) -> Path:
     return run_dir
 
 
-def train(cfg: DictConfig) -> Path:
-    """Train as ``cfg`` (a composed ``configs/train.yaml``) says; returns the run directory."""
+def class_names(dataset) -> list[str]:
+    # Not inline in train(): submitit pickles train() by value, and cloudpickle would then take the
+    # attribute name "classes" next to the global torch for the module torch.classes, which cannot be pickled.
+    return list(dataset.classes)
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two resolved configs."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {a} -> {b}")
+    return changes
+
+
+def resume_command(overrides: list[str], run_dir: Path) -> str:
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("run_dir=", "resume="))]
+    return " ".join(["python train.py", *kept, f"run_dir={run_dir}"])
+
+
+def worker_count_note(num_workers: int) -> str | None:
+    """One note if ``num_workers`` exceeds this process's CPU cores, in place of DataLoader's warning,
+    which it repeats at every epoch's iterator (libraries that touch the warning filters reset the
+    registry that would show it once); that warning is silenced."""
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if num_workers <= cores:
+        return None
+    return f"note: data.num_workers={num_workers} loader processes share {cores} CPU core(s): expect contention"
+
+
+def wandb_line(run, mode: str) -> str:
+    """The one line said about the W&B run at the end."""
+    if mode == "disabled":
+        return "wandb: disabled"
+    where = run.settings.sync_dir
+    if mode == "offline":
+        return f"wandb: offline run {run.id} in {where} (upload: wandb sync {where})"
+    return f"wandb: run {run.id} at {run.url}, local files in {where}"
+
+
+def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
+    """Train as ``cfg`` (a composed ``configs/train.yaml``) says; returns the run directory.
+
+    ``overrides`` (the command line's ``key=value`` arguments) are recorded in ``config.yaml`` and
+    ``results.json`` and make up the resume command printed on Ctrl-C.
+    """
     with contextlib.ExitStack() as cleanup:  # releases the run directory's lock on any exit
-        return _train(cfg, cleanup)
+        return _train(cfg, overrides, cleanup)
 
 
-def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
+def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.ExitStack) -> Path:
     validate(cfg, TrainConfig)  # also rejects keys forced in with +key=...
+    check_train_config(cfg)  # every value, before anything exists (ConfigError names the key)
+    overrides = list(overrides or [])
     # ------------------------------------------------------------------------------------------ setup
     info = init_distributed(cfg.trainer.device, cfg.trainer.dist_backend)
     device, master = info.device, info.is_main
     log = print if master else (lambda *a, **k: None)
+    require_extension(device)  # a GPU run without gspn2's CUDA extension stops here, with the build hint
+    backend = backend_info(device)
     configure_torch(device, tf32=cfg.trainer.tf32, cpu_threads=cfg.trainer.cpu_threads)
     precision = cfg.trainer.precision
     accum = cfg.trainer.accum_steps
-    if cfg.trainer.compile_mode not in COMPILE_MODES:
-        raise ValueError(f"trainer.compile_mode must be one of {COMPILE_MODES}, got {cfg.trainer.compile_mode!r}")
-    if cfg.trainer.compile_lean_memory and not cfg.trainer.compile:
-        raise ValueError("trainer.compile_lean_memory=true needs trainer.compile=true")
 
     # decided once on rank 0 and broadcast: every rank writes to and resumes from the same place
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None
@@ -152,9 +214,10 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
         if master:
             write_digits(root)
         barrier(info)
-    elif cfg.data.prepare is not None:
-        raise ValueError(f"data.prepare must be null or 'digits', got {cfg.data.prepare!r}")
     check_image_folder(root, [cfg.data.train_split, cfg.data.val_split])
+    note = worker_count_note(cfg.data.num_workers)
+    if note:
+        log(note)
     train_tf = build_transform(cfg.data, cfg.aug, is_training=True)
     val_tf = build_transform(cfg.data, cfg.aug, is_training=False)
     train_set = build_dataset(
@@ -180,15 +243,24 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
         world_size=info.world_size,
         rank=info.rank,
         num_workers=cfg.data.num_workers,
-        pin_memory=cfg.data.pin_memory,
+        pin_memory=cfg.data.pin_memory and device.type == "cuda",  # pinning serves host-to-GPU copies only
     )
-    train_loader = build_train_loader(train_set, cfg.data.batch_size, seed=cfg.seed, **loader_args)
+    train_loader = build_train_loader(
+        train_set, cfg.data.batch_size, seed=cfg.seed, repeats=cfg.aug.repeats, **loader_args
+    )
     val_loader = build_eval_loader(val_set, cfg.data.eval_batch_size, **loader_args)
     updates_per_epoch = steps_per_epoch(train_loader, accum, cfg.trainer.limit_train_steps)
 
     # ------------------------------------------------------------------------------------------ model
     seed_everything(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, cfg.data.num_classes)
+    if cfg.initial_checkpoint is not None and ckpt_path is None:  # a resume brings its own weights
+        loaded = load_initial_weights(model, cfg.initial_checkpoint, cfg.initial_checkpoint_ema)
+        log(
+            f"initial weights: {loaded['source']}: {len(loaded['loaded'])} tensors loaded; "
+            f"re-initialised (classifier of another size): {loaded['reinitialised'] or 'none'}; "
+            f"missing: {loaded['missing'] or 'none'}; unexpected (ignored): {loaded['unexpected'] or 'none'}"
+        )
     count = None
     if master:  # one traced forward pass at batch 1 (fvcore)
         count = count_model(model, input_size=(3, cfg.data.img_size, cfg.data.img_size))
@@ -205,22 +277,28 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
 
     # ------------------------------------------------------- optimizer, schedule, EMA, loss functions
     global_batch = cfg.data.batch_size * info.world_size * accum
-    lr_scale = global_batch / cfg.optim.lr_base_size
+    lr_scale = lr_scale_of(cfg.optim, global_batch)
     optimizer = build_optimizer(cfg.optim, model, lr_scale)  # AdamW, no decay on norms/biases/1-D
     scheduler, num_epochs = build_scheduler(
         cfg.sched, optimizer, cfg.trainer.epochs, lr_scale, updates_per_epoch
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
-    if cfg.ema.mesa_weight > 0 and ema is None:
-        raise ValueError("MESA (ema.mesa_weight > 0) distils from the EMA model: set ema.enabled=true")
     mixup_fn, train_loss_fn = build_mixup_and_loss(cfg.aug, cfg.data.num_classes)
     distill_loss_fn = SoftTargetCrossEntropy()  # MESA: cross-entropy to the EMA teacher's probabilities
 
     # ------------------------------------------------------------------------------------------ resume
     start_epoch, step, best_top1, best_epoch, history, wandb_id = 0, 0, -math.inf, 0, [], None
+    lr_steps: list[float] = []  # the lr of every optimizer step, for curves.png
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
     if ckpt_path is not None:
         ckpt, start_point.state = start_point.state, None
+        old_optim = ckpt["config"].get("optim", {}).get("name")
+        if old_optim != cfg.optim.name and not cfg.trainer.no_resume_opt:
+            raise CheckpointError(
+                f"{ckpt_path} was trained with optim={old_optim}, this run asks for optim={cfg.optim.name}: "
+                f"add trainer.no_resume_opt=true to keep the weights and start a fresh {cfg.optim.name} state"
+            )
         load_model_state(model, ckpt["model"], ckpt_path)
         if ema is not None:
             if ckpt.get("ema") is None:
@@ -229,17 +307,34 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
                     f"ema.enabled=false or start a new run"
                 )
             load_model_state(ema.module, ckpt["ema"], ckpt_path, what="EMA")
-        try:
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"the optimizer state in {str(ckpt_path)!r} does not fit optim={cfg.optim.name}: {e}"
-            ) from e
-        scheduler.load_state_dict(ckpt["scheduler"])
-        if ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
+        if not cfg.trainer.no_resume_opt:
+            # the checkpoint's moments, but this config's hyperparameters (weight decay, betas, ...)
+            fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            try:
+                optimizer.load_state_dict(ckpt["optimizer"])
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(
+                    f"the optimizer state in {str(ckpt_path)!r} does not fit optim={cfg.optim.name} "
+                    f"({e}); add trainer.no_resume_opt=true to start a fresh optimizer state"
+                ) from e
+            for group, own in zip(optimizer.param_groups, fresh):
+                group.update(own)
+            if ckpt.get("scaler"):
+                scaler.load_state_dict(ckpt["scaler"])
         start_epoch, step = ckpt["epoch"], ckpt["step"]
         best_top1, best_epoch, history = ckpt["best_top1"], ckpt["best_epoch"], ckpt["history"]
+        lr_steps = ckpt["lr_steps"].tolist() if "lr_steps" in ckpt else []
+        # the schedule is this config's (e.g. more epochs), evaluated where the checkpoint stopped
+        if cfg.sched.step_on_epochs:
+            scheduler.step(start_epoch)
+        else:
+            scheduler.step_update(num_updates=step)
+        changes = config_changes(
+            {k: v for k, v in ckpt["config"].items() if k not in ("run_dir", "resume")},
+            {k: v for k, v in config_dict.items() if k not in ("run_dir", "resume")},
+        )
+        if changes:
+            log(f"config changes against {ckpt_path}: " + "; ".join(changes))
         if len(ckpt["rng"]) == info.world_size:
             set_rng_state(ckpt["rng"][info.rank], device)
         else:
@@ -249,7 +344,10 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
             )
         if ckpt_path == own_last:
             wandb_id = ckpt["wandb_id"]  # the same run continues: append to its W&B run
-        log(f"resumed from {ckpt_path}: epoch {start_epoch}, step {step}")
+        log(
+            f"resumed from {ckpt_path}: epoch {start_epoch}, step {step}"
+            + (" (fresh optimizer state: trainer.no_resume_opt)" if cfg.trainer.no_resume_opt else "")
+        )
         del ckpt
 
     if start_epoch >= num_epochs:
@@ -269,14 +367,16 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
         )
 
     # ------------------------------------------------------------------------------ logging, run dir
-    config_dict = OmegaConf.to_container(cfg, resolve=True)
     run = None
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
         if start_point.damaged_last is not None:
             kept = set_aside(start_point.damaged_last)
             log(f"note: the damaged {start_point.damaged_last} is kept as {kept}; resuming {ckpt_path}")
-        atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+        recorded = OmegaConf.create(config_dict)
+        recorded.run_dir = str(run_dir)  # the resolved run directory: re-running this config resumes it
+        header = f"# python train.py {' '.join(overrides)}\n# overrides: {json.dumps(overrides)}\n"
+        atomic_write_bytes(run_dir / "config.yaml", (header + OmegaConf.to_yaml(recorded)).encode())
         run = wandb.init(
             project=cfg.logger.project,
             entity=cfg.logger.entity,
@@ -287,9 +387,12 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
             dir=str(run_dir),
             id=wandb_id,
             resume="allow",
-            config=config_dict,
+            config={**config_dict, "backend": backend, "overrides": overrides},
+            # silent: W&B's own start and end messages are some 35 lines a run; wandb_line() is one
+            settings=wandb.Settings(silent=True),
         )
         wandb_id = run.id
+        log(describe(backend))
         log(
             f"run directory {run_dir} | {info.world_size} process(es) on {device.type} | global batch "
             f"{global_batch} | lr {cfg.optim.lr * lr_scale:.3g} | {updates_per_epoch} steps/epoch | "
@@ -298,180 +401,215 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
 
     # ------------------------------------------------------------------------------------------- loop
     results: dict = {}
-    for epoch in range(start_epoch, num_epochs):
-        t_epoch = time.perf_counter()
-        train_model.train()
-        train_loader.sampler.set_epoch(epoch)
-        train_loader.generator.manual_seed(cfg.seed + 100_003 * info.rank + epoch)  # DataLoader workers
-        reset_skipped(train_set)
-        reset_skipped(val_set)
-        mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        batches = iter(train_loader)
-        bar = tqdm(
-            total=updates_per_epoch,
-            desc=f"epoch {epoch + 1}/{num_epochs}",
-            leave=False,
-            disable=not (master and cfg.trainer.progress),
-            dynamic_ncols=True,
-            mininterval=1.0,
-        )
-        for _ in range(updates_per_epoch):
-            for micro in range(accum):
-                images, targets = next(batches)
-                images = images.to(device, non_blocking=True)
-                targets = targets.to(device, non_blocking=True)
-                if mixup_fn is not None:
-                    images, targets = mixup_fn(images, targets)
-                if cfg.trainer.channels_last:
-                    images = images.contiguous(memory_format=torch.channels_last)
-                last_micro = micro == accum - 1
-                no_sync = (
-                    train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
-                )
-                with no_sync:
-                    with autocast(device, precision):
-                        logits = train_model(images)
-                        loss = train_loss_fn(logits, targets)
-                        if mesa_on:
-                            with torch.no_grad():
-                                teacher = ema.module(images).float().softmax(dim=-1)
-                            loss = loss + cfg.ema.mesa_weight * distill_loss_fn(logits.float(), teacher)
-                    scaler.scale(loss / accum).backward()
-                loss_sum += loss.detach().double() / accum
-            if cfg.optim.clip_grad is not None:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            scheduler.step_update(num_updates=step)
-            if ema is not None:
-                ema.update(model, step=step)
-            lr = optimizer.param_groups[0]["lr"]
-            bar.update(1)
-            if master and step % cfg.trainer.log_interval == 0:
-                loss_now = loss.item()
-                bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.2e}")
-                stats = {"train/loss": loss_now, "train/lr": lr, "epoch": step / updates_per_epoch}
+    # a progress bar only on a terminal: in a log file its carriage returns pile up into one huge line
+    show_bar = master and cfg.trainer.progress and sys.stderr.isatty()
+    # the train loss is computed against mixed or smoothed targets: say so next to the val loss
+    train_loss_label = (
+        "train (mixup/cutmix targets)" if mixup_fn is not None
+        else f"train (label smoothing {cfg.aug.smoothing:g})" if cfg.aug.smoothing > 0
+        else "train"
+    )  # fmt: skip
+    try:
+        for epoch in range(start_epoch, num_epochs):
+            t_epoch = time.perf_counter()
+            train_model.train()
+            train_loader.sampler.set_epoch(epoch)
+            train_loader.generator.manual_seed(cfg.seed + 100_003 * info.rank + epoch)  # DataLoader workers
+            reset_skipped(train_set)
+            reset_skipped(val_set)
+            mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            batches = iter(train_loader)
+            bar = tqdm(
+                total=updates_per_epoch,
+                desc=f"epoch {epoch + 1}/{num_epochs}",
+                leave=False,
+                disable=not show_bar,
+                dynamic_ncols=True,
+                mininterval=1.0,
+            )
+            for _ in range(updates_per_epoch):
+                for micro in range(accum):
+                    images, targets = next(batches)
+                    images = images.to(device, non_blocking=True)
+                    targets = targets.to(device, non_blocking=True)
+                    if mixup_fn is not None:
+                        images, targets = mixup_fn(images, targets)
+                    if cfg.trainer.channels_last:
+                        images = images.contiguous(memory_format=torch.channels_last)
+                    last_micro = micro == accum - 1
+                    no_sync = (
+                        train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
+                    )
+                    with no_sync:
+                        with autocast(device, precision):
+                            logits = train_model(images)
+                            loss = train_loss_fn(logits, targets)
+                            if mesa_on:
+                                with torch.no_grad():
+                                    teacher = ema.module(images).float().softmax(dim=-1)
+                                loss = loss + cfg.ema.mesa_weight * distill_loss_fn(logits.float(), teacher)
+                        scaler.scale(loss / accum).backward()
+                    loss_sum += loss.detach().double() / accum
+                grad_norm = None
                 if cfg.optim.clip_grad is not None:
-                    stats["train/grad_norm"] = grad_norm.item()
-                run.log(stats, step=step)
-            if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
-                # crash simulation (resume tests): leave without saving anything of this epoch
-                bar.close()
-                log(f"stopped after {step} steps (trainer.stop_after_steps); last saved: epoch {epoch}")
-                if run is not None:
-                    run.finish(exit_code=1)
-                destroy(info)
-                log(run_dir)
-                return run_dir
-        bar.close()
-        train_loss = all_reduce_sum(loss_sum, info).item() / (updates_per_epoch * info.world_size)
-        if not math.isfinite(train_loss):  # keep the last good checkpoint rather than overwrite it
-            raise FloatingPointError(
-                f"training diverged in epoch {epoch + 1} (mean loss {train_loss}); "
-                f"{run_dir / 'last.pt'} holds the last finished epoch"
-            )
-
-        # ------------------------------------------------------------------------------------- eval
-        val = evaluate(model, val_loader, info, precision, cfg.trainer.channels_last)
-        ema_val = (
-            evaluate(ema.module, val_loader, info, precision, cfg.trainer.channels_last) if ema else None
-        )
-        record = {
-            "epoch": epoch + 1,
-            "step": step,
-            "lr": lr,
-            "train_loss": train_loss,
-            "val_top1": val["top1"],
-            "val_top5": val["top5"],
-            "val_loss": val["loss"],
-            "epoch_s": time.perf_counter() - t_epoch,
-        }
-        if ema_val is not None:
-            record.update(
-                ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"], ema_val_loss=ema_val["loss"]
-            )
-        skipped = {  # unreadable images this epoch left out (data.bad_images=skip), over all ranks
-            split: sorted(set(sum(all_gather_object(skipped_images(ds), info), [])))
-            for split, ds in (("train", train_set), ("val", val_set))
-        }
-        record.update(skipped_train_images=len(skipped["train"]), skipped_val_images=len(skipped["val"]))
-        for split, files in skipped.items():
-            if files:
-                log(
-                    f"epoch {epoch + 1}: skipped {len(files)} unreadable {split} image(s) "
-                    f"(data.bad_images=skip): {', '.join(files)}"
+                    scaler.unscale_(optimizer)
+                    grad_norm = clip_gradients(model, cfg.optim.clip_grad, cfg.optim.clip_mode)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                scheduler.step_update(num_updates=step)
+                if ema is not None:
+                    ema.update(model, step=step)
+                lr = optimizer.param_groups[0]["lr"]
+                bar.update(1)
+                lr_steps.append(lr)
+                if master and step % cfg.trainer.log_interval == 0:
+                    loss_now = loss.item()
+                    bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.2e}")
+                    stats = {"train/loss": loss_now, "train/lr": lr, "epoch": step / updates_per_epoch}
+                    if grad_norm is not None:
+                        stats["train/grad_norm"] = grad_norm.item()
+                    run.log(stats, step=step)
+                if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
+                    # crash simulation (resume tests): leave without saving anything of this epoch
+                    bar.close()
+                    log(f"stopped after {step} steps (trainer.stop_after_steps); last saved: epoch {epoch}")
+                    if run is not None:
+                        run.finish(exit_code=1)
+                    destroy(info)
+                    log(run_dir)
+                    return run_dir
+            bar.close()
+            if cfg.sched.step_on_epochs:  # per-epoch schedules move at epoch ends only (timm's train.py)
+                scheduler.step(epoch + 1)
+            train_loss = all_reduce_sum(loss_sum, info).item() / (updates_per_epoch * info.world_size)
+            if not math.isfinite(train_loss):  # keep the last good checkpoint rather than overwrite it
+                raise FloatingPointError(
+                    f"training diverged in epoch {epoch + 1} (mean loss {train_loss}); "
+                    f"{run_dir / 'last.pt'} holds the last finished epoch"
                 )
-        history.append(record)
-        is_best = val["top1"] > best_top1
-        if is_best:
-            best_top1, best_epoch = val["top1"], epoch + 1
 
-        # ------------------------------------------------------------------------------- checkpoint
-        rng = all_gather_object(rng_state(device), info)  # every rank's streams, for an exact resume
-        if master:
-            state = {
-                "format": CHECKPOINT_FORMAT,
-                "model": model.state_dict(),
-                "model_name": cfg.model.name,
-                "ema": ema.module.state_dict() if ema is not None else None,
-                "ema_updates": step if ema is not None else 0,
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+            # ------------------------------------------------------------------------------------- eval
+            val = evaluate(model, val_loader, info, precision, cfg.trainer.channels_last)
+            ema_val = (
+                evaluate(ema.module, val_loader, info, precision, cfg.trainer.channels_last) if ema else None
+            )
+            record = {
                 "epoch": epoch + 1,
                 "step": step,
-                "best_top1": best_top1,
-                "best_epoch": best_epoch,
-                "history": history,
-                "rng": rng,
-                "config": config_dict,
-                "wandb_id": wandb_id,
+                "lr": lr,
+                "train_loss": train_loss,
+                "val_top1": val["top1"],
+                "val_top5": val["top5"],
+                "val_loss": val["loss"],
+                "epoch_s": time.perf_counter() - t_epoch,
             }
-            results = {
-                **{k: v for k, v in record.items() if k != "epoch_s"},
-                "best_top1": best_top1,
-                "best_epoch": best_epoch,
-                "model": cfg.model.name,
-                "params": count.params,
-                "macs": count.macs,
-                "img_size": cfg.data.img_size,
-                "global_batch": global_batch,
-                "world_size": info.world_size,
-                "train_s": sum(h["epoch_s"] for h in history),
-                "run_dir": str(run_dir),
-                "checkpoint": str(run_dir / "last.pt"),
-                "history": history,
+            if ema_val is not None:
+                record.update(
+                    ema_val_top1=ema_val["top1"], ema_val_top5=ema_val["top5"], ema_val_loss=ema_val["loss"]
+                )
+            skipped = {  # unreadable images this epoch left out (data.bad_images=skip), over all ranks
+                split: sorted(set(sum(all_gather_object(skipped_images(ds), info), [])))
+                for split, ds in (("train", train_set), ("val", val_set))
             }
-            # the epoch's files are published as one set: a crash leaves this set or the previous one
-            epoch_files = {
-                "last.pt": lambda path: save_checkpoint(state, path),
-                "results.json": lambda path: atomic_write_bytes(path, json.dumps(results, indent=2).encode()),
-                "curves.png": lambda path: plot_curves(history, path),
-            }
+            record.update(skipped_train_images=len(skipped["train"]), skipped_val_images=len(skipped["val"]))
+            for split, files in skipped.items():
+                if files:
+                    log(
+                        f"epoch {epoch + 1}: skipped {len(files)} unreadable {split} image(s) "
+                        f"(data.bad_images=skip): {', '.join(files)}"
+                    )
+            history.append(record)
+            is_best = val["top1"] > best_top1
             if is_best:
-                epoch_files["best.pt"] = "last.pt"  # a copy of the staged last.pt
-            publish(run_dir, epoch_files, label=f"epoch {epoch + 1}")
-            run.log(
-                {"epoch": epoch + 1, "train/epoch_loss": train_loss}
-                | {f"val/{k[len('val_') :]}": v for k, v in record.items() if k.startswith("val_")}
-                | {
-                    f"val/ema_{k[len('ema_val_') :]}": v
-                    for k, v in record.items()
-                    if k.startswith("ema_val_")
-                },
-                step=step,
-            )
-            ema_msg = f" | EMA top1 {ema_val['top1']:6.2f} loss {ema_val['loss']:.4f}" if ema_val else ""
-            log(
-                f"epoch {epoch + 1:3d}/{num_epochs} | train loss {train_loss:.4f} | "
-                f"val top1 {val['top1']:6.2f} top5 {val['top5']:6.2f} loss {val['loss']:.4f}{ema_msg} | "
-                f"lr {lr:.2e} | "
-                f"{record['epoch_s']:.1f} s"
-            )
+                best_top1, best_epoch = val["top1"], epoch + 1
+
+            # ------------------------------------------------------------------------------- checkpoint
+            rng = all_gather_object(rng_state(device), info)  # every rank's streams, for an exact resume
+            if master:
+                state = {
+                    "format": CHECKPOINT_FORMAT,
+                    "model": model.state_dict(),
+                    "model_name": cfg.model.name,
+                    "classes": class_names(train_set),  # class folder names, for eval.py predict=
+                    "ema": ema.module.state_dict() if ema is not None else None,
+                    "ema_updates": step if ema is not None else 0,
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "best_top1": best_top1,
+                    "best_epoch": best_epoch,
+                    "history": history,
+                    "rng": rng,
+                    "config": config_dict,
+                    "wandb_id": wandb_id,
+                    "lr_steps": torch.tensor(lr_steps, dtype=torch.float64),
+                }
+                kept = keep_top_k(run_dir, history, state, cfg.trainer.checkpoint_hist)
+                results = {
+                    **{k: v for k, v in record.items() if k != "epoch_s"},
+                    "best_top1": best_top1,
+                    "best_epoch": best_epoch,
+                    "model": cfg.model.name,
+                    "params": count.params,
+                    "macs": count.macs,
+                    "img_size": cfg.data.img_size,
+                    "global_batch": global_batch,
+                    "world_size": info.world_size,
+                    "train_s": sum(h["epoch_s"] for h in history),
+                    "run_dir": str(run_dir),
+                    "checkpoint": str(run_dir / "last.pt"),
+                    "top_k_epochs": kept,
+                    "backend": backend,
+                    "overrides": overrides,
+                    "history": history,
+                }
+                # the epoch's files are published as one set: a crash leaves this set or the previous one
+                epoch_files = {
+                    "last.pt": lambda path: save_checkpoint(state, path),
+                    "results.json": lambda path: atomic_write_bytes(path, json.dumps(results, indent=2).encode()),
+                    "summary.csv": lambda path: atomic_write_bytes(path, summary_csv(history)),
+                    "curves.png": lambda path: plot_curves(
+                        history,
+                        path,
+                        title=f"{cfg.name} / {run_dir.name}: {cfg.model.name}",
+                        train_label=train_loss_label,
+                        lr_steps=lr_steps,
+                    ),
+                }
+                if is_best:
+                    epoch_files["best.pt"] = "last.pt"  # a copy of the staged last.pt
+                publish(run_dir, epoch_files, label=f"epoch {epoch + 1}")
+                run.log(
+                    {"epoch": epoch + 1, "train/epoch_loss": train_loss}
+                    | {f"val/{k[len('val_') :]}": v for k, v in record.items() if k.startswith("val_")}
+                    | {
+                        f"val/ema_{k[len('ema_val_') :]}": v
+                        for k, v in record.items()
+                        if k.startswith("ema_val_")
+                    },
+                    step=step,
+                )
+                ema_msg = f" | EMA top1 {ema_val['top1']:6.2f} loss {ema_val['loss']:.4f}" if ema_val else ""
+                log(
+                    f"epoch {epoch + 1:3d}/{num_epochs} | train loss {train_loss:.4f} | "
+                    f"val top1 {val['top1']:6.2f} top5 {val['top5']:6.2f} loss {val['loss']:.4f}{ema_msg} | "
+                    f"lr {lr:.2e} | "
+                    f"{record['epoch_s']:.1f} s"
+                )
+    except KeyboardInterrupt:
+        last = run_dir / "last.pt"
+        if master:
+            saved = f"the last checkpoint is {last}" if last.exists() else "no epoch finished, nothing saved"
+            print(f"\ninterrupted: {saved}; resume with: {resume_command(overrides, run_dir)}", file=sys.stderr)
+            if run is not None:
+                run.finish(exit_code=130)
+        destroy(info)
+        raise
 
     # ------------------------------------------------------------------------------------------ finish
     if master:
@@ -480,14 +618,41 @@ def _train(cfg: DictConfig, cleanup: contextlib.ExitStack) -> Path:
             f"{results['train_s']:.0f} s of training"
         )
         run.finish()
+        log(wandb_line(run, cfg.logger.mode))
     destroy(info)
     log(run_dir)
     return run_dir
 
 
+#: Errors of the user's making: one line on stderr, no traceback, exit status 2.
+USER_ERRORS = (ConfigError, DataError, CheckpointError, RunDirError)
+
+
 @hydra.main(version_base=None, config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
+    sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    row = {"job": hydra_cfg.job.num if sweep else 0, "overrides": " ".join(overrides), "status": "failed"}
+    try:
+        run_dir = train(cfg, overrides)
+        results_file = run_dir / "results.json"
+        results = json.loads(results_file.read_text()) if results_file.exists() else {}
+        row.update({k: results.get(k, "") for k in ("best_top1", "best_epoch", "val_top1", "epoch")})
+        row.update(run_dir=str(run_dir), status="done")
+    except USER_ERRORS as e:
+        row["status"] = f"error: {e}"
+        if sweep:
+            raise  # Hydra reports the failed job and goes on with the sweep
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        row["status"] = "interrupted"
+        sys.exit(130)  # train() printed where the last checkpoint is and how to resume
+    finally:
+        if sweep and int(os.environ.get("RANK", "0")) == 0:
+            # one line per job of the sweep, linking its number to its run directory
+            append_sweep_row(Path(hydra_cfg.sweep.dir), row)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,27 @@ train.py, eval.py and the config tests (so the tests instantiate exactly what tr
 
 from __future__ import annotations
 
+import math
+
 import timm
 import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 from timm.data import Mixup
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
+from timm.utils import dispatch_clip_grad
 
-__all__ = ["build_model", "build_optimizer", "build_scheduler", "build_mixup_and_loss", "compile_model"]
+__all__ = [
+    "build_model",
+    "lr_scale",
+    "build_optimizer",
+    "build_scheduler",
+    "build_mixup_and_loss",
+    "clip_gradients",
+    "compile_model",
+]
 
 
 def build_model(model_cfg, num_classes: int) -> nn.Module:
@@ -35,10 +46,22 @@ def build_model(model_cfg, num_classes: int) -> nn.Module:
     )
 
 
+def lr_scale(optim_cfg, global_batch: int) -> float:
+    """The factor on ``optim.lr`` (and the warm-up and minimum lr): ``global_batch / optim.lr_base_size``,
+    or its square root with ``optim.lr_base_scale=sqrt`` (timm's ``--lr-base-scale``)."""
+    ratio = global_batch / optim_cfg.lr_base_size
+    return math.sqrt(ratio) if optim_cfg.lr_base_scale == "sqrt" else ratio
+
+
 def build_optimizer(optim_cfg, model: nn.Module, lr_scale: float) -> torch.optim.Optimizer:
     """timm optimizer at ``lr * lr_scale``; no weight decay on norms, biases, other 1-D params and the
-    names in ``model.no_weight_decay()`` (timm's ``filter_bias_and_bn``)."""
+    names in ``model.no_weight_decay()`` (timm's ``filter_bias_and_bn``). ``optim.layer_decay`` gives
+    each layer group of ``model.group_matcher()`` the lr ``lr * layer_decay ** (layers after it)``."""
     args = OmegaConf.to_container(optim_cfg.args, resolve=True)
+    if optim_cfg.layer_decay is not None:
+        if "layer_decay" in args:
+            raise ValueError("layer-wise lr decay is optim.layer_decay; remove optim.args.layer_decay")
+        args["layer_decay"] = optim_cfg.layer_decay
     return create_optimizer_v2(
         model,
         opt=optim_cfg.name,
@@ -69,7 +92,8 @@ def build_scheduler(
 
 def build_mixup_and_loss(aug_cfg, num_classes: int) -> tuple[Mixup | None, nn.Module]:
     """timm Mixup/CutMix (None when both are off) and the matching training loss: soft-target CE with
-    mixup (whose targets carry the label smoothing), label-smoothing CE, or plain CE."""
+    mixup (whose targets carry the label smoothing), label-smoothing CE, or plain CE; with
+    ``aug.bce_loss`` timm's binary cross-entropy instead (on the mixed targets, or smoothing itself)."""
     mixup_on = aug_cfg.mixup > 0 or aug_cfg.cutmix > 0 or aug_cfg.cutmix_minmax is not None
     if mixup_on:
         mixup_fn = Mixup(
@@ -82,10 +106,23 @@ def build_mixup_and_loss(aug_cfg, num_classes: int) -> tuple[Mixup | None, nn.Mo
             label_smoothing=aug_cfg.smoothing,
             num_classes=num_classes,
         )
+        if aug_cfg.bce_loss:
+            return mixup_fn, BinaryCrossEntropy(target_threshold=aug_cfg.bce_target_thresh)
         return mixup_fn, SoftTargetCrossEntropy()
+    if aug_cfg.bce_loss:
+        return None, BinaryCrossEntropy(smoothing=aug_cfg.smoothing, target_threshold=aug_cfg.bce_target_thresh)
     if aug_cfg.smoothing > 0:
         return None, LabelSmoothingCrossEntropy(smoothing=aug_cfg.smoothing)
     return None, nn.CrossEntropyLoss()
+
+
+def clip_gradients(model: nn.Module, clip: float, mode: str) -> torch.Tensor | None:
+    """Clip ``model``'s gradients at ``clip``: the global norm (``norm``, returns the norm before
+    clipping), each element (``value``) or adaptively per unit (``agc``, timm's); ``None`` but for ``norm``."""
+    if mode == "norm":
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    dispatch_clip_grad([p for p in model.parameters() if p.grad is not None], clip, mode=mode)
+    return None
 
 
 def compile_model(model: nn.Module, mode: str, lean_memory: bool = False) -> nn.Module:

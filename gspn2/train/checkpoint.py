@@ -36,6 +36,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CheckpointError",
     "atomic_write_bytes",
+    "umask_mode",
     "save_checkpoint",
     "load_checkpoint",
     "load_model_state",
@@ -53,6 +54,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the model."""
 
 
+def umask_mode(base: int = 0o666) -> int:
+    """``base`` less the process's umask: the mode ``open()`` would give a new file (``0o777`` for a
+    folder). mkstemp/mkdtemp create 0600/0700 whatever the umask; their results are set to this."""
+    try:  # Linux: read it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return base & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return base & ~mask
+
+
 def _atomic_replace(path: Path, write) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, then rename it over ``path``.
 
@@ -61,6 +76,7 @@ def _atomic_replace(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, umask_mode())  # readable as the user's umask says, like any other tool's files
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

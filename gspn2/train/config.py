@@ -11,6 +11,7 @@ checks) and ``optim.args`` (the optimizer's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -32,6 +33,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    name: Optional[str] = None  # what the data is ("digits", "imagenet"); experiment=digits requires "digits"
     root: str = MISSING  # folder holding <train_split>/ and <val_split>/ class subfolders
     prepare: Optional[str] = None  # "digits": write the scikit-learn digits to root if it is missing
     train_split: str = "train"
@@ -74,6 +76,9 @@ class AugConfig:
     mixup_switch_prob: float = 0.5
     mixup_mode: str = "batch"
     smoothing: float = 0.1
+    repeats: int = 1  # repeated augmentation: each image this many times per epoch, augmented anew
+    bce_loss: bool = False  # binary cross-entropy on the (mixed, smoothed) targets instead of soft-target CE
+    bce_target_thresh: Optional[float] = None  # BCE: binarise targets above this value (null: keep soft)
 
 
 @dataclass
@@ -82,7 +87,10 @@ class OptimConfig:
     lr: float = 5e-4  # at a global batch of lr_base_size; scaled linearly with the real global batch
     lr_base_size: int = 512
     weight_decay: float = 0.05  # never applied to norms, biases, 1-D params and model.no_weight_decay()
-    clip_grad: Optional[float] = 5.0  # max global grad norm; null disables clipping
+    clip_grad: Optional[float] = 5.0  # clipping threshold (see clip_mode); null disables clipping
+    clip_mode: str = "norm"  # norm (global grad norm) | value (each element) | agc (adaptive, per unit)
+    lr_base_scale: str = "linear"  # lr x (global_batch / lr_base_size), or its square root: linear | sqrt
+    layer_decay: Optional[float] = None  # layer-wise lr decay: the head at lr, each earlier layer x this
     args: Dict[str, Any] = field(default_factory=dict)  # extra optimizer kwargs (betas, eps, momentum)
 
 
@@ -130,7 +138,9 @@ class TrainerConfig:
     log_interval: int = 50  # optimizer steps between W&B train logs
     limit_train_steps: Optional[int] = None  # cap optimizer steps per epoch (smoke tests)
     stop_after_steps: Optional[int] = None  # stop abruptly after this many steps in total (crash test)
-    progress: bool = True  # tqdm progress bar on rank 0
+    progress: bool = True  # tqdm progress bar on rank 0 (shown only when stderr is a terminal)
+    no_resume_opt: bool = False  # resume weights, EMA, epoch and history, but start a fresh optimizer state
+    checkpoint_hist: int = 0  # keep the k best epochs as checkpoint-<epoch>.pt (0: only last.pt and best.pt)
 
 
 @dataclass
@@ -145,11 +155,16 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    name: str = "digits"  # experiment name; run directories go to <runs_root>/<name>/<timestamp>
+    name: str = "${model.name}"  # run name; run directories go to <runs_root>/<name>/<timestamp>
+    recipe: Optional[str] = None  # the experiment whose hyperparameters apply (set by configs/experiment/)
     seed: int = 0
     runs_root: str = "runs"
     run_dir: Optional[str] = None  # fixed run directory; re-running with it resumes from its last.pt
     resume: Optional[str] = None  # checkpoint to continue from (its full training state)
+    # fine-tuning: start from these weights (a train.py checkpoint or a timm/HF-style weight file); a
+    # classifier of another size is re-initialised, everything else must fit
+    initial_checkpoint: Optional[str] = None
+    initial_checkpoint_ema: bool = False  # a train.py checkpoint: take its EMA weights
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     aug: AugConfig = field(default_factory=AugConfig)
@@ -188,6 +203,10 @@ class EvalConfig:
     precision: Optional[str] = None  # default: the checkpoint's trainer.precision (fp32 for model_name)
     channels_last: bool = False
     out: Optional[str] = None  # results JSON; default next to the checkpoint (or under runs/eval)
+    # a folder of unlabelled images (searched recursively): write the top-k predictions per image to
+    # <out stem>_predictions.csv instead of evaluating on data.root
+    predict: Optional[str] = None
+    topk: int = 5
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
 
 
@@ -209,3 +228,153 @@ def validate(cfg, schema: type) -> None:
 
     # merge a plain copy: a DictConfig would carry its relaxed flags into the merge
     OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(cfg, resolve=False))
+
+
+# ------------------------------------------------------------------------------------- value checks
+class ConfigError(ValueError):
+    """A configuration value is out of its range, not one of its choices, or names a missing file."""
+
+
+#: Choice-valued keys of the training config and their allowed values.
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")
+TRAIN_CHOICES: dict[str, tuple] = {
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.precision": ("bf16", "fp16", "fp32"),
+    "trainer.compile_mode": COMPILE_MODES,
+    "trainer.dist_backend": ("auto", "nccl", "gloo", "mpi", "ucc"),
+    "logger.mode": ("offline", "online", "disabled"),
+    "data.prepare": (None, "digits"),
+    "data.interpolation": INTERPOLATIONS,
+    "aug.train_interpolation": (*INTERPOLATIONS, "random"),
+    "aug.remode": ("pixel", "rand", "const"),
+    "aug.mixup_mode": ("batch", "pair", "elem"),
+    "optim.clip_mode": ("norm", "value", "agc"),
+    "optim.lr_base_scale": ("linear", "sqrt"),
+    "sched.name": ("cosine", "tanh", "step", "multistep", "plateau", "poly"),
+}
+#: Integer keys that must be >= 1 (``None`` allowed where the schema is Optional) ...
+TRAIN_POSITIVE = (
+    "trainer.epochs", "trainer.accum_steps", "trainer.log_interval", "trainer.cpu_threads",
+    "trainer.limit_train_steps", "trainer.stop_after_steps", "data.batch_size", "data.eval_batch_size",
+    "data.img_size", "data.num_classes", "data.train_subset", "data.val_subset", "optim.lr_base_size",
+    "aug.recount", "aug.repeats",
+)  # fmt: skip
+#: ... and those that must be >= 0.
+TRAIN_NON_NEGATIVE = (
+    "data.num_workers", "sched.warmup_epochs", "sched.cooldown_epochs", "ema.mesa_start_epoch",
+    "trainer.checkpoint_hist", "optim.weight_decay", "sched.warmup_lr", "sched.min_lr", "ema.mesa_weight",
+    "aug.mixup", "aug.cutmix",
+)  # fmt: skip
+#: Probabilities and fractions: ``key -> (low, high, high_inclusive)``, low always inclusive.
+TRAIN_RANGES: dict[str, tuple[float, float, bool]] = {
+    "aug.hflip": (0.0, 1.0, True),
+    "aug.vflip": (0.0, 1.0, True),
+    "aug.reprob": (0.0, 1.0, True),
+    "aug.mixup_prob": (0.0, 1.0, True),
+    "aug.mixup_switch_prob": (0.0, 1.0, True),
+    "aug.smoothing": (0.0, 1.0, False),
+    "ema.decay": (0.0, 1.0, True),
+}
+
+
+def _get(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _check_choice(cfg, key: str, choices: tuple) -> None:
+    value = _get(cfg, key)
+    if value not in choices:
+        shown = " | ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"{key} must be one of {shown}; got {value!r}")
+
+
+def _check_int(cfg, key: str, minimum: int) -> None:
+    value = _get(cfg, key)
+    if value is not None and value < minimum:
+        raise ConfigError(f"{key} must be {'>= 1' if minimum == 1 else '>= 0'}; got {value!r}")
+
+
+def _check_file(key: str, value) -> None:
+    if value is not None and not Path(value).is_file():
+        raise ConfigError(f"{key}={value}: no such file")
+
+
+def check_train_config(cfg, check_paths: bool = True) -> None:
+    """Check every value of a composed training config; raise :class:`ConfigError` naming the key.
+
+    Run at start-up, before a process group, a run directory, ``config.yaml`` or a W&B run exists, so a
+    mistyped value costs nothing. Composition already checked the keys and their types
+    (:func:`validate`); this checks what a type cannot say: choices, ranges, files that must exist, and
+    combinations that do not work together. ``check_paths=False`` skips the files and folders (for
+    composing documented commands whose paths are placeholders).
+    """
+    for key, choices in TRAIN_CHOICES.items():
+        _check_choice(cfg, key, choices)
+    for key in TRAIN_POSITIVE:
+        _check_int(cfg, key, 1)
+    for key in TRAIN_NON_NEGATIVE:
+        _check_int(cfg, key, 0)
+    for key, (low, high, inclusive) in TRAIN_RANGES.items():
+        value = _get(cfg, key)
+        if not (low <= value <= high if inclusive else low <= value < high):
+            raise ConfigError(f"{key} must be in [{low}, {high}{']' if inclusive else ')'}; got {value!r}")
+    if not cfg.optim.lr > 0:
+        raise ConfigError(f"optim.lr must be > 0; got {cfg.optim.lr!r}")
+    if cfg.optim.clip_grad is not None and not cfg.optim.clip_grad > 0:
+        raise ConfigError(f"optim.clip_grad must be > 0 or null; got {cfg.optim.clip_grad!r}")
+    if cfg.optim.layer_decay is not None and not 0 < cfg.optim.layer_decay <= 1:
+        raise ConfigError(f"optim.layer_decay must be in (0, 1] or null; got {cfg.optim.layer_decay!r}")
+    if not 0 < cfg.data.crop_pct <= 1:
+        raise ConfigError(f"data.crop_pct must be in (0, 1]; got {cfg.data.crop_pct!r}")
+    for key in ("data.mean", "data.std"):
+        value = list(_get(cfg, key))
+        if len(value) != 3 or (key == "data.std" and min(value) <= 0):
+            raise ConfigError(f"{key} must be 3 values (RGB){', all > 0' if key == 'data.std' else ''}; got {value}")
+    scale, ratio = list(cfg.aug.scale), list(cfg.aug.ratio)
+    if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+        raise ConfigError(f"aug.scale must be [low, high] with 0 < low <= high <= 1; got {scale}")
+    if len(ratio) != 2 or not 0 < ratio[0] <= ratio[1]:
+        raise ConfigError(f"aug.ratio must be [low, high] with 0 < low <= high; got {ratio}")
+    if cfg.aug.bce_target_thresh is not None and not cfg.aug.bce_loss:
+        raise ConfigError("aug.bce_target_thresh needs aug.bce_loss=true")
+    if cfg.trainer.compile_lean_memory and not cfg.trainer.compile:
+        raise ConfigError("trainer.compile_lean_memory=true needs trainer.compile=true")
+    if cfg.ema.mesa_weight > 0 and not cfg.ema.enabled:
+        raise ConfigError("MESA (ema.mesa_weight > 0) distils from the EMA model: set ema.enabled=true")
+    if cfg.recipe == "digits" and cfg.data.name != "digits":
+        # experiment=digits is the default: without this, choosing data=imagenet would silently train
+        # ImageNet with the digits learning rate, schedule, EMA and precision
+        raise ConfigError(
+            f"experiment=digits (the default) holds the digits recipe (lr per 64 images, 20 epochs, fp32, "
+            f"EMA 0.99) but data={cfg.data.name or 'custom'}: choose a recipe for it "
+            f"(experiment=in1k_gspn2_tiny, _small, _base) or experiment=none to use the groups' own "
+            f"defaults (the ImageNet recipe)"
+        )
+    if cfg.initial_checkpoint_ema and cfg.initial_checkpoint is None:
+        raise ConfigError("initial_checkpoint_ema=true needs initial_checkpoint=<file>")
+    if not check_paths:
+        return
+    if cfg.data.prepare is None and not Path(cfg.data.root).is_dir():
+        raise ConfigError(f"data.root={cfg.data.root}: no such directory")
+    _check_file("resume", cfg.resume)
+    _check_file("initial_checkpoint", cfg.initial_checkpoint)
+
+
+def check_eval_config(cfg, check_paths: bool = True) -> None:
+    """The evaluation config's counterpart of :func:`check_train_config`."""
+    if (cfg.checkpoint is None) == (cfg.model_name is None):
+        raise ConfigError("give exactly one of checkpoint=<train.py checkpoint> or model_name=<timm model name>")
+    _check_choice(cfg, "device", ("auto", "cpu", "cuda"))
+    _check_choice(cfg, "precision", (None, "bf16", "fp16", "fp32"))
+    for key in ("img_size", "num_classes", "data.batch_size", "data.val_subset", "topk"):
+        _check_int(cfg, key, 1)
+    _check_int(cfg, "data.num_workers", 0)
+    if not check_paths:
+        return
+    if cfg.data.root is not None and not Path(cfg.data.root).is_dir():
+        raise ConfigError(f"data.root={cfg.data.root}: no such directory")
+    if cfg.predict is not None and not Path(cfg.predict).is_dir():
+        raise ConfigError(f"predict={cfg.predict}: no such directory")

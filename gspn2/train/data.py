@@ -27,6 +27,8 @@ from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 from torchvision.datasets import ImageFolder
 
+from gspn2.train.checkpoint import umask_mode
+
 __all__ = [
     "DataError",
     "ImageError",
@@ -216,6 +218,7 @@ def write_digits(root: str | os.PathLike, size: int = DIGITS_SIZE) -> Path:
     )
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    os.chmod(tmp, umask_mode(0o777))  # mkdtemp's 0700 would hide the data from the user's group
     try:
         for split, indices in (("train", idx_train), ("val", idx_val)):
             for i in sorted(indices):
@@ -335,11 +338,20 @@ class ShardedBatchSampler(Sampler[int]):
     global batches of ``world_size * batch_size`` samples; rank ``r`` takes the ``r``-th contiguous
     slice of each global batch. So ``N`` processes at batch ``b`` see exactly the samples one process
     sees at batch ``N * b``, step for step -- the property the DDP equivalence test checks. Incomplete
-    global batches at the end of an epoch are dropped.
+    global batches at the end of an epoch are dropped. With ``repeats > 1`` (repeated augmentation,
+    timm's ``--aug-repeats``) each drawn image appears ``repeats`` times in a row, each copy augmented
+    anew, and the epoch keeps its length: ``num_samples / repeats`` distinct images.
     """
 
     def __init__(
-        self, num_samples: int, batch_size: int, world_size: int, rank: int, seed: int, shuffle: bool = True
+        self,
+        num_samples: int,
+        batch_size: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        shuffle: bool = True,
+        repeats: int = 1,
     ):
         self.num_samples = num_samples
         self.batch_size = batch_size
@@ -347,6 +359,7 @@ class ShardedBatchSampler(Sampler[int]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.repeats = repeats
         self.epoch = 0
         self.num_steps = num_samples // (batch_size * world_size)
         if self.num_steps == 0:
@@ -367,6 +380,8 @@ class ShardedBatchSampler(Sampler[int]):
             order = torch.randperm(self.num_samples, generator=g)
         else:
             order = torch.arange(self.num_samples)
+        if self.repeats > 1:
+            order = order.repeat_interleave(self.repeats)[: self.num_samples]
         global_batch = self.batch_size * self.world_size
         for step in range(self.num_steps):
             start = step * global_batch + self.rank * self.batch_size
@@ -381,8 +396,9 @@ def build_train_loader(
     seed: int,
     num_workers: int,
     pin_memory: bool,
+    repeats: int = 1,
 ) -> DataLoader:
-    sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed)
+    sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed, repeats=repeats)
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import timm
@@ -15,9 +17,16 @@ from PIL import Image
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
 from gspn2.train.build import build_mixup_and_loss, build_model, build_optimizer, build_scheduler
-from gspn2.train.config import EvalConfig, TrainConfig, validate
+from gspn2.train.config import (
+    ConfigError,
+    EvalConfig,
+    TrainConfig,
+    check_eval_config,
+    check_train_config,
+    validate,
+)
 from gspn2.train.data import build_transform
-from tests.train._helpers import CONFIGS, compose_cfg
+from tests.train._helpers import CONFIGS, REPO, compose_cfg
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 GROUPS = ["model", "data", "aug", "optim", "sched", "ema", "trainer", "logger"]
@@ -56,7 +65,8 @@ def test_expected_experiments_exist():
 def test_experiment_composes_and_instantiates(experiment):
     cfg = compose_cfg([f"experiment={experiment}", "data.root=/nonexistent/imagenet"])
     validate(cfg, TrainConfig)
-    assert cfg.name == experiment
+    assert cfg.name == (cfg.model.name if experiment == "none" else experiment)
+    assert cfg.recipe == (None if experiment == "none" else experiment)
     model, optimizer, scheduler, num_epochs, mixup, loss_fn = _build_all(cfg)
     assert type(model).__name__ == "GSPN2"
     assert num_epochs == cfg.trainer.epochs + cfg.sched.cooldown_epochs
@@ -192,3 +202,93 @@ def test_misspelt_key_in_a_yaml_file_is_an_error(tmp_path):
     (configs / "trainer" / "typo.yaml").write_text("epochs: 3\nprecison: fp32\n")
     with pytest.raises(ConfigCompositionException, match="precison"):
         compose_cfg(["trainer=typo"], config_dir=configs)
+
+
+# ------------------------------------------------------------------- composition of the documented commands
+def _documented_commands() -> list[tuple[str, str, list[str], str | None]]:
+    """``(file, script, overrides, error)`` of every train.py / eval.py command in the code blocks of
+    README.md and docs/training.md (fenced or indented; backslash continuations joined, comments
+    dropped); ``error`` is the ``error: ...`` line shown right after the command, if any."""
+    commands = []
+    for doc in (REPO / "README.md", REPO / "docs" / "training.md"):
+        lines, fenced = [], False
+        for line in doc.read_text().splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+                continue
+            if fenced or line.startswith("    "):
+                lines.append(line.strip())
+        text = "\n".join(lines).replace("\\\n", " ").splitlines()
+        for n, line in enumerate(text):
+            line = line.split(" #")[0]
+            words = line.split()
+            script = next((w for w in words if w.endswith(("train.py", "eval.py"))), None)
+            if script is None:
+                continue
+            at = words.index(script)
+            if not (words[at - 1].endswith("python") or any(w.endswith("torchrun") for w in words[:at])):
+                continue  # prose about the scripts, not a command
+            # placeholders such as <time> are for the reader to fill in
+            overrides = [re.sub(r"<([^>]*)>", r"\1", w) for w in words[at + 1 :] if w != "-m"]
+            after = text[n + 1] if n + 1 < len(text) else ""
+            error = after[len("error: ") :] if after.startswith("error: ") else None
+            commands.append((doc.name, Path(script).stem, overrides, error))
+    return commands
+
+
+DOCUMENTED = _documented_commands()
+
+
+def test_the_docs_have_commands_to_check():
+    scripts = {script for _, script, _, _ in DOCUMENTED}
+    assert scripts == {"train", "eval"} and len(DOCUMENTED) >= 15, DOCUMENTED
+
+
+@pytest.mark.parametrize(
+    "doc,script,overrides,error", DOCUMENTED, ids=[" ".join(c[2]) or c[1] for c in DOCUMENTED]
+)
+def test_documented_command_composes_and_passes_the_checks(doc, script, overrides, error):
+    """Every documented command composes, and its values pass the start-up checks (paths aside: they
+    are placeholders here), or fail with exactly the error the docs show. A command that picks ImageNet
+    data must not carry the digits recipe."""
+    if script == "eval":
+        cfg = compose_cfg(overrides, config_name="eval", config_dir=CONFIGS / "eval")
+        validate(cfg, EvalConfig)
+        check_eval_config(cfg, check_paths=False)
+        return
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    del cfg.hydra
+    validate(cfg, TrainConfig)
+    if error is not None:
+        with pytest.raises(ConfigError) as raised:
+            check_train_config(cfg, check_paths=False)
+        assert str(raised.value) == error
+        return
+    check_train_config(cfg, check_paths=False)
+    if cfg.data.name == "imagenet":
+        assert cfg.recipe != "digits"
+        assert (cfg.optim.lr_base_size, cfg.sched.warmup_epochs, cfg.ema.decay) == (512, 20, 0.9999)
+        assert (cfg.trainer.precision, cfg.trainer.channels_last, cfg.trainer.cpu_threads) == ("bf16", True, None)
+
+
+def test_composing_groups_never_inherits_the_digits_recipe():
+    """`model=gspn2_tiny data=imagenet aug=imagenet` under the default experiment=digits is refused, with
+    the way out in the message; under experiment=none it is the groups' ImageNet recipe."""
+    groups = ["model=gspn2_tiny", "data=imagenet", "aug=imagenet", "data.root=/x", "trainer.epochs=100"]
+    with pytest.raises(ConfigError, match=r"experiment=digits .*data=imagenet.*experiment=none"):
+        check_train_config(compose_cfg(groups), check_paths=False)
+    cfg = compose_cfg(["experiment=none", *groups])
+    check_train_config(cfg, check_paths=False)
+    assert (cfg.name, cfg.recipe, cfg.trainer.epochs) == ("gspn2_tiny", None, 100)
+    assert (cfg.optim.lr, cfg.optim.lr_base_size, cfg.sched.warmup_epochs) == (5e-4, 512, 20)
+    assert (cfg.ema.decay, cfg.ema.warmup, cfg.trainer.precision) == (0.9999, False, "bf16")
+    assert cfg.trainer.channels_last and cfg.trainer.cpu_threads is None
+    assert cfg.aug.auto_augment == "rand-m9-mstd0.5-inc1"  # aug's default is ImageNet's too
+
+
+def test_the_default_is_still_the_digits_recipe():
+    cfg = compose_cfg([])
+    check_train_config(cfg, check_paths=False)
+    assert (cfg.name, cfg.recipe, cfg.data.name, cfg.model.name) == ("digits", "digits", "digits", "gspn2_micro")
+    assert (cfg.optim.lr_base_size, cfg.trainer.precision, cfg.aug.hflip) == (64, "fp32", 0.0)
