@@ -674,9 +674,14 @@ def _init_weights(module: nn.Module, name: Optional[str] = None) -> None:
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Accept our trainer's checkpoints: unwrap ``model``/``state_dict_ema``/``state_dict`` and strip the
-    ``module.`` (DDP) and ``_orig_mod.`` (``torch.compile``) prefixes. There are no foreign weights to remap."""
-    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
+    """Accept our trainer's checkpoints and bare state dicts; strip the ``module.`` (DDP) and ``_orig_mod.``
+    (``torch.compile``) prefixes. There are no foreign weights to remap.
+
+    A whole checkpoint is unwrapped with timm's preference (its loaders default to ``use_ema=True``): the EMA
+    weights when it holds them (``state_dict_ema``, ``model_ema``, or our trainer's ``ema``), else ``state_dict``
+    or ``model``. timm's file loaders pick the entry themselves before calling this (train.py also writes
+    ``state_dict_ema``, so ``use_ema`` reaches the EMA there)."""
+    for key in ("state_dict_ema", "model_ema", "ema", "state_dict", "model"):
         if key in state_dict and isinstance(state_dict[key], dict):
             state_dict = state_dict[key]
             break

@@ -9,3 +9,4 @@ from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 from gspn2.ops import _cuda  # noqa: E402,F401  (registers the CUDA kernels of the gspn2:: ops)
 
 __all__ = ["gspn_propagate", "gspn_propagate_ref", "gspn_propagate_backward_ref"]
+from gspn2.ops import _flops  # noqa: E402,F401  (FLOP formulas of the gspn2:: ops for FlopCounterMode and fvcore)

@@ -21,7 +21,7 @@ def check_propagate_inputs(
     if x.dim() != 4:
         raise ValueError(f"gspn_propagate: `x` must have shape (B, C, H, W), got {tuple(x.shape)}")
     B, C, H, W = x.shape
-    if min(B, C, H, W) < 1:
+    if B < 1 or C < 1 or H < 1 or W < 1:  # one size at a time: min() would compare B with C
         raise ValueError(f"gspn_propagate: `x` must have no empty dimension, got {tuple(x.shape)}")
     if lam.dim() != 5 or tuple(lam.shape) != (B, 4, C, H, W):
         raise ValueError(
