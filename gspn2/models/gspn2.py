@@ -76,7 +76,7 @@ def min_input_size(num_stages: int = 4) -> int:
     """Smallest height and width that ``num_stages`` stages can take: the stride-4 stem (two 3x3/2 convs
     with padding 1, ``ceil(H / 4)``) and a 2x2/2 downsampling before every later stage
     (``floor(h / 2) >= 1``), i.e. ``2 ** (num_stages + 1) - 3``: 29 for the four stages of every GSPN2."""
-    return (4 << (num_stages - 1)) - 3
+    return (4 << (num_stages - 1)) - 3  # a shift: TorchScript's int ** int is a float
 
 
 @register_notrace_function
