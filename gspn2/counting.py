@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import warnings
@@ -43,6 +44,7 @@ __all__ = [
     "count_model",
     "depthwise_conv_mac_handle",
     "propagate_mac_handle",
+    "register_fvcore_default_handles",
 ]
 
 #: MACs per output element of ``gspn2::propagate`` (per direction; the output holds all four directions).
@@ -95,6 +97,31 @@ def depthwise_conv_mac_handle(inputs: List[Any], outputs: List[Any]) -> int:
     if out is None or weight is None or len(out) != 4 or len(weight) != 4:
         raise ValueError(f"gspn2::depthwise_conv2d: expected 4-D output and weight, got {out} and {weight}")
     return weight[2] * weight[3] * math.prod(out)
+
+
+#: fvcore handles of gspn2's custom ops, by the names fvcore's traces give them.
+FVCORE_HANDLES = {
+    "gspn2::propagate": propagate_mac_handle,
+    "gspn2::depthwise_conv2d": depthwise_conv_mac_handle,
+}
+
+
+def register_fvcore_default_handles() -> None:
+    """Add :data:`FVCORE_HANDLES` to fvcore's table of default handles, which every ``FlopCountAnalysis``
+    starts from, so that one built without ``set_op_handle`` (timm's ``benchmark.py``) counts gspn2's ops.
+    Called when :mod:`gspn2.ops` is imported. A handle fvcore already has for one of these names is a
+    conflict, not something to overwrite: it raises ``RuntimeError``."""
+    # importlib: ``fvcore.nn.flop_count`` as an attribute is the function of that name, not the module.
+    table = getattr(importlib.import_module("fvcore.nn.flop_count"), "_DEFAULT_SUPPORTED_OPS", None)
+    if not isinstance(table, dict):
+        raise RuntimeError(
+            "fvcore.nn.flop_count has no _DEFAULT_SUPPORTED_OPS table (an fvcore this gspn2 was not written "
+            "for): gspn2's ops cannot be registered with it"
+        )
+    for name, handle in FVCORE_HANDLES.items():
+        if table.get(name, handle) is not handle:
+            raise RuntimeError(f"fvcore already has a different handle for {name!r}: {table[name]!r}")
+        table[name] = handle
 
 
 @dataclass
@@ -216,8 +243,7 @@ def count_model(
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             analysis = FlopCountAnalysis(model, (x,))
-            analysis.set_op_handle("gspn2::propagate", propagate_mac_handle)
-            analysis.set_op_handle("gspn2::depthwise_conv2d", depthwise_conv_mac_handle)
+            analysis.set_op_handle(**FVCORE_HANDLES)
             # Unsupported ops are returned in the result instead of logged once per run.
             analysis.unsupported_ops_warnings(False)
             analysis.uncalled_modules_warnings(False)

@@ -7,9 +7,10 @@ runs that plain module's forward: the reference the equivalence tests compare ag
 
 from gspn2.layers.mlp import PointwiseMlp
 from gspn2.layers.norm import LayerNorm2d, layer_norm_last_dim
-from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
+from gspn2.layers.pointwise import ChunkedConv1x1, Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
 
 __all__ = [
+    "ChunkedConv1x1",
     "Conv1x1",
     "LayerNorm2d",
     "PointwiseMlp",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
-from gspn2.layers.norm import LayerNorm2d
+from gspn2.layers._trace import recording_graph
 from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
 
 __all__ = ["PointwiseMlp"]
@@ -38,11 +38,18 @@ class PointwiseMlp(nn.Module):
         self.fc2 = Conv1x1(hidden_features, in_features, fast_path=fast_path)
         self.fast_path = fast_path
 
-    def forward(self, x: torch.Tensor, norm: Optional[LayerNorm2d] = None) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``; with ``norm``, the MLP of ``norm(x)`` (in training on the fast
-        path the norm and ``fc1`` are one :func:`~gspn2.layers.norm_linear`, and ``norm``'s forward hooks
-        do not run)."""
-        if self.fast_path and torch.is_grad_enabled():
+    def forward(self, x: torch.Tensor, norm: Optional[Any] = None) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``; with ``norm`` (a :class:`~gspn2.layers.LayerNorm2d`), the MLP of
+        ``norm(x)`` (in training on the fast path the norm and ``fc1`` are one
+        :func:`~gspn2.layers.norm_linear`, and ``norm``'s forward hooks do not run).
+
+        ``norm`` is typed ``Any`` because TorchScript cannot type a module argument; a scripted MLP takes
+        no ``norm`` (the scripted block normalises first)."""
+        if torch.jit.is_scripting():
+            if norm is not None:
+                raise RuntimeError("PointwiseMlp: a scripted MLP takes no `norm`; normalise before calling it")
+            return self.fc2(self.act(self.fc1(x)))
+        if self.fast_path and torch.is_grad_enabled() and not recording_graph():
             B, _, H, W = x.shape
             if norm is not None and norm.fast_path:
                 w, b = self.fc1.weight.flatten(1), self.fc1.bias

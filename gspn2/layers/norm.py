@@ -5,14 +5,19 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from timm.layers import LayerNorm2d as _TimmLayerNorm2d
+from timm.layers import register_notrace_function
 
 from gspn2.ops._amp import autocast_enabled
 
 __all__ = ["LayerNorm2d", "layer_norm_last_dim"]
 
+torch.fx.wrap("layer_norm_last_dim")  # the same for a plain torch.fx.symbolic_trace
 
+
+@register_notrace_function  # torch.fx: the autocast query must run when the graph runs
 def layer_norm_last_dim(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
 ) -> torch.Tensor:
@@ -26,6 +31,8 @@ def layer_norm_last_dim(
 
     Shapes: ``(..., C) -> (..., C)``; ``weight`` and ``bias`` are ``(C,)`` or None.
     """
+    if torch.jit.is_scripting():  # the autocast query is not scriptable: plain F.layer_norm
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     device_type = x.device.type
     if autocast_enabled(device_type):
         dt = x.dtype
@@ -63,6 +70,10 @@ class LayerNorm2d(_TimmLayerNorm2d):
         self.fast_path = fast_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            # TorchScript cannot call super().forward; this is timm's LayerNorm2d computation.
+            y = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+            return y.permute(0, 3, 1, 2)
         if not self.fast_path:
             return super().forward(x)
         y = layer_norm_last_dim(x.permute(0, 2, 3, 1), self.weight, self.bias, self.eps)

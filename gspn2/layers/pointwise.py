@@ -15,16 +15,24 @@ activation's input and output alive until backward.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 
-__all__ = ["Conv1x1", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
+__all__ = ["ChunkedConv1x1", "Conv1x1", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
+
+# torch.fx leaves (timm's tracer list and a plain torch.fx.symbolic_trace): the autograd functions and
+# their argument checks cannot run on Proxies. The GSPN-2 blocks do not call them while fx traces
+# (gspn2.layers._trace); a traced module of one's own that does records one node each.
+for _name in ("gelu_linear", "norm_linear"):
+    torch.fx.wrap(_name)
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -40,47 +48,68 @@ def from_rows(rows: torch.Tensor, B: int, H: int, W: int) -> torch.Tensor:
 class Conv1x1(nn.Conv2d):
     """A 1x1 convolution computed as ``F.linear`` on the channels-last rows of its input.
 
-    ``(B, in, H, W) -> (B, out, H, W)`` (channels_last memory), or a tuple of ``out_chunks`` tensors of
-    ``out / out_chunks`` channels each, equal to ``conv(x).chunk(out_chunks, dim=1)`` but each computed by
-    its own GEMM, so every chunk is contiguous (a depthwise convolution can take it without a copy).
+    ``(B, in, H, W) -> (B, out, H, W)`` (channels_last memory). Under TorchScript, and with
+    ``fast_path=False``, it runs the convolution itself.
 
     Args:
         in_channels: Input channels.
-        out_channels: Output channels (all chunks together).
+        out_channels: Output channels.
         bias: Learnable bias.
-        out_chunks: Number of outputs to split the channels into.
-        fast_path: ``False`` runs ``nn.Conv2d.forward`` (then ``chunk``), the reference.
+        fast_path: ``False`` runs ``nn.Conv2d``'s convolution, the reference.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, bias: bool = True, fast_path: bool = True) -> None:
+        super().__init__(in_channels, out_channels, 1, bias=bias)
+        self.fast_path = fast_path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting() or not self.fast_path:
+            return self._conv_forward(x, self.weight, self.bias)
+        B, _, H, W = x.shape
+        # weight.flatten(1): (out, in), a view of the (out, in, 1, 1) parameter.
+        return from_rows(F.linear(to_rows(x), self.weight.flatten(1), self.bias), B, H, W)
+
+
+class ChunkedConv1x1(Conv1x1):
+    """A :class:`Conv1x1` whose output comes as a list of ``out_chunks`` tensors, each from its own GEMM.
+
+    Equal to ``conv(x).chunk(out_chunks, dim=1)``, but every chunk is contiguous in channels_last memory
+    (a depthwise convolution can take it without a copy). The chunks are channel slices of the weight
+    taken by index, so ``torch.fx`` can trace the loop and TorchScript can type the result
+    (``List[Tensor]``).
+
+    Args:
+        in_channels: Input channels.
+        out_channels: Output channels of all chunks together.
+        out_chunks: Number of outputs to split the channels into (must divide ``out_channels``).
+        bias: Learnable bias.
+        fast_path: ``False`` runs the convolution, then slices its output (the reference).
     """
 
     def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        bias: bool = True,
-        out_chunks: int = 1,
-        fast_path: bool = True,
+        self, in_channels: int, out_channels: int, out_chunks: int, bias: bool = True, fast_path: bool = True
     ) -> None:
         if isinstance(out_chunks, bool) or not isinstance(out_chunks, int) or out_chunks < 1:
             raise ValueError(f"`out_chunks` must be a positive int, got {out_chunks!r}")
         if out_channels % out_chunks != 0:
             raise ValueError(f"`out_chunks` ({out_chunks}) must divide `out_channels` ({out_channels})")
-        super().__init__(in_channels, out_channels, 1, bias=bias)
+        super().__init__(in_channels, out_channels, bias=bias, fast_path=fast_path)
         self.out_chunks = out_chunks
-        self.fast_path = fast_path
 
-    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
-        if not self.fast_path:
-            y = super().forward(x)
-            return y if self.out_chunks == 1 else y.chunk(self.out_chunks, dim=1)
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:  # type: ignore[override]
+        n = self.out_channels // self.out_chunks
+        if torch.jit.is_scripting() or not self.fast_path:
+            y = self._conv_forward(x, self.weight, self.bias)
+            return [y[:, i * n : (i + 1) * n] for i in range(self.out_chunks)]
         B, _, H, W = x.shape
         rows = to_rows(x)
-        weight = self.weight.flatten(1)  # (out, in): a view of the (out, in, 1, 1) parameter
-        if self.out_chunks == 1:
-            return from_rows(F.linear(rows, weight, self.bias), B, H, W)
-        biases = self.bias.chunk(self.out_chunks) if self.bias is not None else (None,) * self.out_chunks
-        return tuple(
-            from_rows(F.linear(rows, w, b), B, H, W) for w, b in zip(weight.chunk(self.out_chunks), biases)
-        )
+        weight = self.weight.flatten(1)
+        bias = self.bias
+        outs: List[torch.Tensor] = []
+        for i in range(self.out_chunks):
+            b = bias[i * n : (i + 1) * n] if bias is not None else None
+            outs.append(from_rows(F.linear(rows, weight[i * n : (i + 1) * n], b), B, H, W))
+        return outs
 
 
 class _GeluLinear(torch.autograd.Function):
@@ -209,3 +238,7 @@ def norm_linear(
         eps,
         chunks,
     )
+
+
+for _fn in (gelu_linear, norm_linear):
+    register_notrace_function(_fn)

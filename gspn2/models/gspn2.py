@@ -1,7 +1,7 @@
 """GSPN-2: vision backbones built on generalized spatial propagation with compact channel proxies.
 
 A timm-style model family (blocks -> model -> init -> checkpoint filter -> builder -> cfgs -> registry)
-for GSPN-2-T/S/B (``../shared/SPEC.md`` section 2) plus ``gspn2_micro``, a few-hundred-thousand
+for GSPN-2-T/S/B (``docs/spec.md``, section 2) plus ``gspn2_micro``, a few-hundred-thousand
 parameter member for tests and CPU demos.
 
 Every tensor is channel-first ``(B, C, H, W)``. No module stores an input resolution: the propagation
@@ -29,28 +29,102 @@ Speed (``fast_path=True``, the default; ``docs/models.md``, "Speed"): with chann
 convolution is a GEMM on the contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the
 activation dtype under autocast, and two autograd functions recompute GELU and the SiLU gate in backward
 instead of saving them; the local perception units are one ``gspn2.ops.depthwise_conv2d`` each (the
-residual added in the kernel). ``fast_path=False`` computes the same function module by module, as first
-written: the reference of ``tests/models/test_fast_block.py``. Parameters and state dicts are identical.
+residual added in the kernel). ``fast_path=False`` computes the same function module by module: the
+reference of ``tests/models/test_fast_block.py``. Parameters and state dicts are identical.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: torch.fx copies the forward's annotations into the code it
+# generates, and TorchScript (scripting an fx graph) needs them as real types, not strings.
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.fx
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, trunc_normal_
+from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
 from timm.models._features import feature_take_indices
 
-from gspn2.layers import Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, norm_linear, to_rows
+from gspn2.layers import ChunkedConv1x1, Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, norm_linear, to_rows
+from gspn2.layers._trace import recording_graph
 from gspn2.ops import depthwise_conv2d, gspn_propagate
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
 
-#: Number of propagation directions of :func:`gspn2.ops.gspn_propagate` (SPEC 1.1).
+#: Number of propagation directions of :func:`gspn2.ops.gspn_propagate` (docs/spec.md, section 1).
 NUM_DIRECTIONS = 4
+
+# torch.fx leaves (timm's tracer and torchvision's feature extraction take timm's list; torch.fx.wrap below
+# covers a plain torch.fx.symbolic_trace): the op entry points check their inputs in Python and choose a
+# kernel at run time, which must happen when the graph runs, not once on Proxies.
+register_notrace_function(gspn_propagate)
+register_notrace_function(depthwise_conv2d)
+
+
+def min_input_size(num_stages: int = 4) -> int:
+    """Smallest height and width that ``num_stages`` stages can take: the stride-4 stem (two 3x3/2 convs
+    with padding 1, ``ceil(H / 4)``) and a 2x2/2 downsampling before every later stage
+    (``floor(h / 2) >= 1``), i.e. ``2 ** (num_stages + 1) - 3``: 29 for the four stages of every GSPN2."""
+    return (4 << (num_stages - 1)) - 3  # a shift: TorchScript's int ** int is a float
+
+
+@register_notrace_function
+def check_input(x: torch.Tensor, in_chans: int, min_size: int) -> torch.Tensor:
+    """Return ``x`` if it is a ``(B, in_chans, H, W)`` batch with ``B >= 1`` and ``H, W >= min_size``,
+    else raise ``ValueError`` (``TypeError`` for a non-tensor) naming what is wrong.
+
+    A ``torch.fx`` leaf (it runs when the traced graph runs) and scriptable; under ``torch.compile`` and
+    ``torch.export`` the comparisons become guards on the symbolic sizes. The result is ``x`` itself, so
+    the check stays on the data path of a traced graph instead of being dropped as dead code.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"GSPN2: the input `x` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(
+            f"GSPN2: the input `x` must be a 4-D (B, C, H, W) batch, got {x.dim()}-D shape {list(x.shape)} "
+            "(a single image needs x.unsqueeze(0))"
+        )
+    # Each size compared on its own: a comparison between sizes would tie a dynamic size to the others.
+    if x.shape[0] < 1:
+        raise ValueError(f"GSPN2: the input `x` has batch size 0 (shape {list(x.shape)}); B must be >= 1")
+    if x.shape[1] != in_chans:
+        raise ValueError(
+            f"GSPN2: the input `x` has {x.shape[1]} channels (shape {list(x.shape)}), the model takes {in_chans}"
+        )
+    if x.shape[2] < min_size or x.shape[3] < min_size:
+        raise ValueError(
+            f"GSPN2: the input `x` is {x.shape[2]}x{x.shape[3]} (H x W); the model needs H, W >= {min_size} "
+            "(a stride-4 stem and a stride-2 downsampling before each later stage)"
+        )
+    return x
+
+
+@register_notrace_function
+def propagate(x: torch.Tensor, lam: torch.Tensor, gates: torch.Tensor, chunk: Optional[int]) -> torch.Tensor:
+    """:func:`gspn2.ops.gspn_propagate`, also from TorchScript, which calls the registered op directly (with the
+    planner's kernel choice: the process options of :mod:`gspn2.ops.options` are Python)."""
+    if torch.jit.is_scripting():
+        return torch.ops.gspn2.propagate(x, lam, gates, chunk, "auto", 0)
+    return gspn_propagate(x, lam, gates, chunk)
+
+
+@register_notrace_function
+def depthwise_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], add_input: bool = False, silu: bool = False
+) -> torch.Tensor:
+    """:func:`gspn2.ops.depthwise_conv2d`; TorchScript computes the same function with ``F.conv2d``."""
+    if torch.jit.is_scripting():
+        y = F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=x.shape[1])
+        if add_input:
+            y = y + x
+        return F.silu(y) if silu else y
+    return depthwise_conv2d(x, weight, bias, add_input=add_input, silu=silu)
+
+
+for _name in ("check_input", "propagate", "depthwise_conv"):
+    torch.fx.wrap(_name)
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -81,8 +155,8 @@ class LocalPerceptionUnit(nn.Module):
         self.fast_path = fast_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_path:  # one pass: gspn2.ops.depthwise_conv2d adds the input
-            return depthwise_conv2d(x, self.conv.weight, self.conv.bias, add_input=True)
+        if self.fast_path and not torch.jit.is_scripting():  # one pass: the depthwise op adds the input
+            return depthwise_conv(x, self.conv.weight, self.conv.bias, add_input=True)
         return x + self.conv(x)
 
 
@@ -129,6 +203,7 @@ class GSPN2Mixer(nn.Module):
         hidden = max(1, int(round(mixer_ratio * dim)))
         self.proxy_dim = proxy_dim
         self.affinity_groups = affinity_groups
+        self.num_directions = NUM_DIRECTIONS  # an attribute: TorchScript cannot read a module-level int
         self.chunk = chunk
         # Channel layout of the generator output: [proxy x | lambda (4 dirs) | u (4 dirs) | gates (4x3xK)].
         self.split_sizes = (
@@ -141,7 +216,7 @@ class GSPN2Mixer(nn.Module):
         self.fast_path = fast_path
 
         # in_proj yields v and z from two GEMMs (one parameter, as the 1x1 conv it replaces).
-        self.in_proj = Conv1x1(dim, 2 * hidden, out_chunks=2, fast_path=fast_path)
+        self.in_proj = ChunkedConv1x1(dim, 2 * hidden, out_chunks=2, fast_path=fast_path)
         self.conv_dw = nn.Conv2d(hidden, hidden, dw_kernel_size, padding=dw_kernel_size // 2, groups=hidden)
         self.act = nn.SiLU()
         self.generate = Conv1x1(hidden, sum(self.split_sizes), fast_path=fast_path)
@@ -150,8 +225,11 @@ class GSPN2Mixer(nn.Module):
         self.norm = LayerNorm2d(hidden, fast_path=fast_path)
         self.out_proj = Conv1x1(hidden, dim, fast_path=fast_path)
 
-    def forward(self, x: torch.Tensor, norm: Optional[LayerNorm2d] = None) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``; with ``norm``, the mixer of ``norm(x)``.
+    def forward(self, x: torch.Tensor, norm: Optional[Any] = None) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``; with ``norm`` (a :class:`~gspn2.layers.LayerNorm2d`), the mixer
+        of ``norm(x)``. ``norm`` is typed ``Any`` because TorchScript cannot type a module argument: a
+        scripted mixer computes the reference formulation and takes no ``norm`` (the scripted block
+        normalises first).
 
         The fast path computes the reference's function with fewer kernels, casts and saved tensors:
         1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of
@@ -159,25 +237,30 @@ class GSPN2Mixer(nn.Module):
         LayerNorm stays in the activation dtype. In training the input norm and ``in_proj``, and the
         output gate ``norm(y) * silu(z)`` and ``out_proj``, are each one :func:`~gspn2.layers.norm_linear`
         that keeps only the norm's input (and the gate) for backward; ``norm``'s forward hooks then do not
-        run.
+        run. While ``torch.fx`` or ``torch.jit.trace`` records the forward, the inference formulation is
+        recorded in both grad modes (see :mod:`gspn2.layers._trace`).
         """
+        if torch.jit.is_scripting():
+            if norm is not None:
+                raise RuntimeError("GSPN2Mixer: a scripted mixer takes no `norm`; normalise before calling it")
+            return self._forward_reference(x)
         if not self.fast_path:
             return self._forward_reference(norm(x) if norm is not None else x)
         B, _, H, W = x.shape
         P, K = self.proxy_dim, self.affinity_groups
-        training = torch.is_grad_enabled()
+        training = torch.is_grad_enabled() and not recording_graph()
         if norm is not None and training and norm.fast_path:
             w, b = self.in_proj.weight.flatten(1), self.in_proj.bias
             v, z = (from_rows(t, B, H, W) for t in norm_linear(to_rows(x), norm.weight, norm.bias, norm.eps, w, b, 2))
         else:
             v, z = self.in_proj(norm(x) if norm is not None else x)  # (B, E, H, W) each, channels_last memory
-        v = depthwise_conv2d(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
+        v = depthwise_conv(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
         # The op scans contiguous NCHW lines: copy the proxy-sized slices (P + 4P + 12K channels) once.
         # All three come from one GEMM, so they already share a dtype.
         lam = torch.sigmoid(lam.unflatten(1, (NUM_DIRECTIONS, P)).contiguous())  # (B, 4, P, H, W)
         gates = gates.unflatten(1, (NUM_DIRECTIONS, 3, K)).contiguous()  # (B, 4, 3, K, H, W)
-        h = gspn_propagate(xp.contiguous(), lam, gates, self.chunk)  # (B, 4, P, H, W)
+        h = propagate(xp.contiguous(), lam, gates, self.chunk)  # (B, 4, P, H, W)
         # u first: the product takes u's channels_last order, so the flatten is a view and proj_up's rows
         # are contiguous.
         y = (u.unflatten(1, (NUM_DIRECTIONS, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
@@ -190,20 +273,20 @@ class GSPN2Mixer(nn.Module):
         return self.out_proj(self.norm(y) * self.act(z))
 
     def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The mixer written op by op, as first implemented: the spec the fast path is tested against."""
-        P, K = self.proxy_dim, self.affinity_groups
+        """The mixer written op by op: the spec the fast path is tested against."""
+        P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
         v, z = self.in_proj(x)
         v = self.act(self.conv_dw(v))
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
-        lam = torch.sigmoid(lam).unflatten(1, (NUM_DIRECTIONS, P))  # (B, 4, P, H, W)
-        gates = gates.unflatten(1, (NUM_DIRECTIONS, 3, K))  # (B, 4, 3, K, H, W) raw logits
+        lam = torch.sigmoid(lam).unflatten(1, (D, P))  # (B, 4, P, H, W)
+        gates = gates.unflatten(1, (D, 3, K))  # (B, 4, 3, K, H, W) raw logits
         # The op needs one dtype for all three inputs (under autocast they may differ) and scans NCHW
         # lines; these are the small proxy-sized tensors, so a contiguous copy (channels_last) is cheap.
         dt = xp.dtype
-        h = gspn_propagate(
+        h = propagate(
             xp.contiguous(), lam.to(dt).contiguous(), gates.to(dt).contiguous(), self.chunk
         )  # (B, 4, P, H, W)
-        y = (h * u.unflatten(1, (NUM_DIRECTIONS, P))).flatten(1, 2)  # (B, 4P, H, W)
+        y = (h * u.unflatten(1, (D, P))).flatten(1, 2)  # (B, 4P, H, W)
         y = self.proj_up(y) + v * self.skip.view(1, -1, 1, 1).to(v.dtype)
         # The scan sums along whole lines, so its scale grows with the image: normalise before gating.
         y = self.norm(y) * self.act(z)
@@ -262,6 +345,11 @@ class GSPN2Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``."""
+        if torch.jit.is_scripting():  # TorchScript cannot pass the norm modules as arguments
+            x = self.lpu1(x)
+            x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x))))
+            x = self.lpu2(x)
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         x = self.lpu1(x)
         x = x + self.drop_path1(self.ls1(self.mixer(x, norm=self.norm1)))  # mixer(norm1(x)), norm fused
         x = self.lpu2(x)
@@ -533,8 +621,8 @@ class GSPN2(nn.Module):
             raise ValueError(f"`output_fmt` must be 'NCHW', got {output_fmt!r}")
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        x = self.stem(x)
         stages = self.stages if torch.jit.is_scripting() or not stop_early else self.stages[: max_index + 1]
+        x = self.stem(check_input(x, self.in_chans, min_input_size(len(stages))))
         for i, stage in enumerate(stages):
             x = stage(x)
             if i in take_indices:
@@ -557,8 +645,8 @@ class GSPN2(nn.Module):
         return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, in_chans, H, W) -> (B, dims[-1], ~H/32, ~W/32)``."""
-        x = self.stem(x)
+        """``(B, in_chans, H, W) -> (B, dims[-1], ~H/32, ~W/32)``; ``H, W >= 29`` (:func:`min_input_size`)."""
+        x = self.stem(check_input(x, self.in_chans, min_input_size(len(self.stages))))
         return self.stages(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -578,9 +666,14 @@ def _init_weights(module: nn.Module, name: Optional[str] = None) -> None:
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Accept our trainer's checkpoints: unwrap ``model``/``state_dict_ema``/``state_dict`` and strip the
-    ``module.`` (DDP) and ``_orig_mod.`` (``torch.compile``) prefixes. There are no foreign weights to remap."""
-    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
+    """Accept our trainer's checkpoints and bare state dicts; strip the ``module.`` (DDP) and ``_orig_mod.``
+    (``torch.compile``) prefixes. There are no foreign weights to remap.
+
+    A whole checkpoint is unwrapped with timm's preference (its loaders default to ``use_ema=True``): the EMA
+    weights when it holds them (``state_dict_ema``, ``model_ema``, or our trainer's ``ema``), else ``state_dict``
+    or ``model``. timm's file loaders pick the entry themselves before calling this (train.py also writes
+    ``state_dict_ema``, so ``use_ema`` reaches the EMA there)."""
+    for key in ("state_dict_ema", "model_ema", "ema", "state_dict", "model"):
         if key in state_dict and isinstance(state_dict[key], dict):
             state_dict = state_dict[key]
             break

@@ -13,3 +13,4 @@ from gspn2.ops import _cuda  # noqa: F401  (imports the extension, which registe
 from gspn2.ops import options
 
 __all__ = ["depthwise_conv2d", "gspn_propagate", "gspn_propagate_ref", "gspn_propagate_backward_ref", "options"]
+from gspn2.ops import _flops  # noqa: E402,F401  (FLOP formulas of the gspn2:: ops for FlopCounterMode and fvcore)

@@ -8,6 +8,8 @@ A checkpoint is one ``torch.save`` dict of plain containers and tensors (loadabl
     model        model state dict (unwrapped: no DDP/compile prefixes)
     model_name   timm name the model was built from
     ema          EMA model state dict or None;  ema_updates: optimizer steps the EMA has seen
+    state_dict_ema   the same EMA dict (stored once), present when ``ema`` is: the key timm's loaders read
+                 (``timm.models.load_checkpoint(..., use_ema=True)``, ``validate.py --use-ema``)
     optimizer, scheduler, scaler     their state dicts (scaler None without fp16)
     epoch        epochs completed;  step: optimizer steps completed
     best_top1, best_epoch, history   per-epoch metrics so far
@@ -34,6 +36,7 @@ import torch
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "TIMM_EMA_KEY",
     "CheckpointError",
     "atomic_write_bytes",
     "umask_mode",
@@ -43,10 +46,14 @@ __all__ = [
     "payload_digest",
     "rng_state",
     "set_rng_state",
+    "with_timm_keys",
 ]
 
 CHECKPOINT_FORMAT = "gspn2-train-v2"
 INTEGRITY_KEY = "integrity"
+#: Where timm's loaders look for EMA weights (``timm.models.load_state_dict``); ``model`` is where they find
+#: the plain weights, so no alias is needed for those.
+TIMM_EMA_KEY = "state_dict_ema"
 _REQUIRED = ("format", "model", "model_name", "epoch", "step", "config")
 
 
@@ -132,8 +139,17 @@ def payload_digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def with_timm_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` plus ``state_dict_ema`` = ``state["ema"]`` when there is an EMA (the same dict object, so
+    ``torch.save`` stores its tensors once); unchanged otherwise."""
+    if state.get("ema") is None:
+        return state
+    return {**state, TIMM_EMA_KEY: state["ema"]}
+
+
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write ``state`` atomically to ``path``, with the integrity digest of its payload added."""
+    """Write ``state`` atomically to ``path``, with timm's EMA key and the integrity digest of its payload."""
+    state = with_timm_keys(state)
     sealed = {**state, INTEGRITY_KEY: {"sha256": payload_digest(state)}}
     _atomic_replace(Path(path), lambda f: torch.save(sealed, f))
 

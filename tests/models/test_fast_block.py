@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
-from gspn2.layers import Conv1x1, gelu_linear, norm_linear
+from gspn2.layers import ChunkedConv1x1, Conv1x1, gelu_linear, norm_linear
 from gspn2.models import GSPN2Block
 from tests.models._models import micro
 
@@ -297,14 +297,18 @@ def test_compile_fullgraph_under_autocast_training():
 @pytest.mark.parametrize("out_chunks,match", [(0, "`out_chunks`"), (5, "`out_chunks` \\(5\\) must divide")])
 def test_conv1x1_bad_out_chunks(out_chunks, match):
     with pytest.raises(ValueError, match=match):
-        Conv1x1(4, 8, out_chunks=out_chunks)
+        ChunkedConv1x1(4, 8, out_chunks=out_chunks)
 
 
 def test_conv1x1_is_the_convolution():
     torch.manual_seed(0)
-    conv = Conv1x1(6, 8, out_chunks=2)
+    conv = ChunkedConv1x1(6, 8, out_chunks=2)
     x = torch.randn(2, 6, 3, 5)
     expected = torch.nn.functional.conv2d(x, conv.weight, conv.bias).chunk(2, dim=1)
-    for got, want in zip(conv(x), expected):
+    got_all = conv(x)
+    assert isinstance(got_all, list) and len(got_all) == 2
+    for got, want in zip(got_all, expected):
         assert got.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(got, want)
+    single = Conv1x1(6, 8)
+    torch.testing.assert_close(single(x), torch.nn.functional.conv2d(x, single.weight, single.bias))
