@@ -10,7 +10,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -235,39 +234,6 @@ bool make_plan_fast(PropagateParams& p, bool backward, const PlanOptions& o, int
   return true;
 }
 
-// What the planner needs of the current device, read once per device.
-struct DeviceLimits {
-  int nsm = 132;                 // planning without a device: an H200
-  int cc_major = 9;
-  int smem_limit = kSmemLimit;   // sm_90; the device's own opt-in limit where one is present (sm_80: 163 KB)
-};
-
-DeviceLimits read_device_limits(int dev) {
-  DeviceLimits d;
-  cudaDeviceGetAttribute(&d.nsm, cudaDevAttrMultiProcessorCount, dev);
-  cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, dev);
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && optin > 0) {
-    d.smem_limit = std::min(d.smem_limit, optin - 1024);
-  }
-  cudaGetLastError();
-  return d;
-}
-
-DeviceLimits device_limits() {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    cudaGetLastError();  // no device here (planning only): an H200's limits
-    return DeviceLimits{};
-  }
-  constexpr int kMaxDevices = 64;
-  if (dev < 0 || dev >= kMaxDevices) return read_device_limits(dev);
-  static DeviceLimits cache[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[dev], [dev] { cache[dev] = read_device_limits(dev); });
-  return cache[dev];
-}
-
 void make_plan(PropagateParams& p, bool backward, const PlanOptions& o) {
   const int esize = element_size(p.dtype);
   const int tmax = 128 / esize;
@@ -281,10 +247,20 @@ void make_plan(PropagateParams& p, bool backward, const PlanOptions& o) {
 
   bool found = false;
   PropagateParams best = p;
-  const DeviceLimits dl = device_limits();
-  const int nsm = dl.nsm;  // enough blocks to fill the GPU come first (B = 1 with shared gates has few)
-  const int smem_limit = dl.smem_limit;
-  if (make_plan_fast(p, backward, o, smem_limit, nsm, dl.cc_major)) return;
+  int nsm = 132;  // enough blocks to fill the GPU come first (B = 1 with shared gates has few)
+  int smem_limit = kSmemLimit;  // sm_90; the device's own opt-in limit where one is present (sm_80: 163 KB)
+  int cc_major = 9;  // planning without a device: an H200
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev);
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && optin > 0) {
+      smem_limit = std::min(smem_limit, optin - 1024);
+    }
+  }
+  cudaGetLastError();  // no device here (planning only): keep the defaults
+  if (make_plan_fast(p, backward, o, smem_limit, nsm, cc_major)) return;
   p.kernel = 1;
   auto score = [&](const PropagateParams& q) {
     const int64_t blocks = int64_t(4) * q.B * q.K * q.nsl;
