@@ -30,9 +30,12 @@ def check_chunk(chunk) -> None:
 
 
 def check_kernel_type(kernel) -> None:
-    """``kernel`` must be a str (the op's schema would otherwise refuse it with a RuntimeError, or decode bytes)."""
+    """``kernel`` must be a str (the op's schema would refuse an int with a RuntimeError, and decode bytes)."""
     if not isinstance(kernel, str):
-        raise TypeError(f"gspn_propagate: `kernel` must be a str ('auto', 'fast', 'general' or 'cluster'), got {type(kernel).__name__}")
+        raise TypeError(
+            f"gspn_propagate: `kernel` must be a str ('auto', 'fast', 'general' or 'cluster'), "
+            f"got {type(kernel).__name__}"
+        )
 
 
 def check_options(kernel: str, cluster_ctas: int) -> None:
@@ -46,9 +49,9 @@ def check_options(kernel: str, cluster_ctas: int) -> None:
 
 def refuse_nested(lib: torch.library.Library, op: str, check) -> None:
     """Give ``gspn2::<op>`` an implementation for nested tensors that runs ``check`` (which refuses them by
-    argument name). Strided nested tensors dispatch to the NestedTensor keys, which ``CompositeExplicitAutograd``
-    does not cover, and jagged ones to their tensor subclass; without this both end in a ``NotImplementedError``
-    that names no argument."""
+    argument name). Strided nested tensors dispatch to the NestedTensor keys, which
+    ``CompositeExplicitAutograd`` does not cover, and jagged ones to their tensor subclass; without this both
+    end in a ``NotImplementedError`` that names no argument."""
     from torch.nested._internal.nested_tensor import NestedTensor  # the jagged layout's subclass
 
     def refuse(*args):

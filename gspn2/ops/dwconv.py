@@ -80,7 +80,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) 
         raise ValueError(f"depthwise_conv2d: `x` must be a (B, C, H, W) tensor, got {tuple(x.shape)}")
     for dim, size in zip("BCHW", x.shape):
         if size < 1:
-            raise ValueError(f"depthwise_conv2d: `x` must have no empty dimension, got {dim} = 0 in {tuple(x.shape)}")
+            raise ValueError(
+                f"depthwise_conv2d: `x` must have no empty dimension, got {dim} = 0 in {tuple(x.shape)}"
+            )
     C = x.shape[1]
     if weight.dim() != 4 or weight.shape[0] != C or weight.shape[1] != 1 or weight.shape[2] != weight.shape[3]:
         raise ValueError(f"depthwise_conv2d: `weight` must be (C, 1, K, K) with C = {C} (x's channels), got {tuple(weight.shape)}")
@@ -197,7 +199,12 @@ def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input, tile, vec):
 
 
 refuse_nested(_LIB, "depthwise_conv2d", lambda x, weight, bias, *flags: _check(x, weight, bias))
-refuse_nested(_LIB, "depthwise_conv2d_backward", lambda grad_y, x, weight, *flags: (_check(x, weight, None), _check_grad_y(grad_y, x)))
+def _check_backward_call(grad_y, x, weight, *flags):
+    _check(x, weight, None)
+    _check_grad_y(grad_y, x)
+
+
+refuse_nested(_LIB, "depthwise_conv2d_backward", _check_backward_call)
 
 
 def _setup_context(ctx, inputs, output):

@@ -81,7 +81,7 @@ def _check_backward_call(grad_h, x, lam, gates, h, chunk, kernel, cluster_ctas):
     check_backward_inputs(grad_h, x, h)
 
 
-refuse_nested(_LIB, "propagate", lambda x, lam, gates, chunk, *options: check_propagate_inputs(x, lam, gates, chunk))
+refuse_nested(_LIB, "propagate", lambda x, lam, gates, chunk, *opts: check_propagate_inputs(x, lam, gates, chunk))
 refuse_nested(_LIB, "propagate_backward", _check_backward_call)
 
 
