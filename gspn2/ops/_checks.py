@@ -29,12 +29,42 @@ def check_chunk(chunk) -> None:
         )
 
 
+def check_kernel_type(kernel) -> None:
+    """``kernel`` must be a str (the op's schema would refuse an int with a RuntimeError, and decode bytes)."""
+    if not isinstance(kernel, str):
+        raise TypeError(
+            f"gspn_propagate: `kernel` must be a str ('auto', 'fast', 'general' or 'cluster'), "
+            f"got {type(kernel).__name__}"
+        )
+
+
 def check_options(kernel: str, cluster_ctas: int) -> None:
     """The op's ``kernel`` and ``cluster_ctas`` arguments (used by the CUDA kernels, validated everywhere)."""
+    check_kernel_type(kernel)
     if kernel not in KERNELS:
         raise ValueError(f"gspn2: `kernel` must be 'auto', 'fast', 'general' or 'cluster', got {kernel!r}")
     if cluster_ctas not in CLUSTER_CTAS:
         raise ValueError(f"gspn2: `cluster_ctas` must be 0 (the planner's choice), 2, 4 or 8, got {cluster_ctas}")
+
+
+def refuse_nested(lib: torch.library.Library, op: str, check) -> None:
+    """Give ``gspn2::<op>`` an implementation for nested tensors that runs ``check`` (which refuses them by
+    argument name). Strided nested tensors dispatch to the NestedTensor keys, which
+    ``CompositeExplicitAutograd`` does not cover, and jagged ones to their tensor subclass; without this both
+    end in a ``NotImplementedError`` that names no argument."""
+    from torch.nested._internal.nested_tensor import NestedTensor  # the jagged layout's subclass
+
+    def refuse(*args):
+        check(*args)
+        raise TypeError(f"gspn2::{op} takes dense (strided) tensors only, got a nested tensor")
+
+    # AutogradNestedTensor too: the backward ops have no autograd kernel that would pass nested tensors on.
+    for key in ("AutogradNestedTensor", "NestedTensorCPU", "NestedTensorCUDA", "NestedTensorMeta"):
+        if hasattr(torch._C.DispatchKey, key):
+            lib.impl(op, refuse, key)
+    torch.library.register_torch_dispatch(
+        f"gspn2::{op}", NestedTensor, lambda mode, func, types, args, kwargs: refuse(*args, **kwargs), lib=lib
+    )
 
 
 def _check_tensor(name: str, t) -> None:

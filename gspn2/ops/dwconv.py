@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from gspn2.ops import _cuda
 from gspn2.ops import options as _options
 from gspn2.ops._amp import autocast_enabled, cast_optional
+from gspn2.ops._checks import FLOAT_DTYPES, refuse_nested
 
 __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_available"]
 
@@ -68,8 +69,20 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) 
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"depthwise_conv2d: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_nested:
+            layout = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+            raise TypeError(f"depthwise_conv2d: `{name}` must be a dense (strided) tensor, got {layout}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"depthwise_conv2d: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}"
+            )
     if x.dim() != 4:
         raise ValueError(f"depthwise_conv2d: `x` must be a (B, C, H, W) tensor, got {tuple(x.shape)}")
+    for dim, size in zip("BCHW", x.shape):
+        if size < 1:
+            raise ValueError(
+                f"depthwise_conv2d: `x` must have no empty dimension, got {dim} = 0 in {tuple(x.shape)}"
+            )
     C = x.shape[1]
     if weight.dim() != 4 or weight.shape[0] != C or weight.shape[1] != 1 or weight.shape[2] != weight.shape[3]:
         raise ValueError(f"depthwise_conv2d: `weight` must be (C, 1, K, K) with C = {C} (x's channels), got {tuple(weight.shape)}")
@@ -80,6 +93,24 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) 
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"depthwise_conv2d: `{name}` is on {t.device}, `x` on {x.device}")
+
+
+def _check_grad_y(grad_y: torch.Tensor, x: torch.Tensor) -> None:
+    if not isinstance(grad_y, torch.Tensor):
+        raise TypeError(f"depthwise_conv2d: `grad_y` must be a torch.Tensor, got {type(grad_y).__name__}")
+    if grad_y.layout != torch.strided or grad_y.is_nested:
+        raise TypeError("depthwise_conv2d: `grad_y` must be a dense (strided) tensor")
+    if tuple(grad_y.shape) != tuple(x.shape) or grad_y.dtype != x.dtype or grad_y.device != x.device:
+        raise ValueError(
+            f"depthwise_conv2d: `grad_y` must match `x` in shape, dtype and device ({tuple(x.shape)}, {x.dtype}, "
+            f"{x.device}), got {tuple(grad_y.shape)}, {grad_y.dtype}, {grad_y.device}"
+        )
+
+
+def _check_flags(add_input, silu) -> None:
+    for name, v in (("add_input", add_input), ("silu", silu)):
+        if not isinstance(v, bool):
+            raise TypeError(f"depthwise_conv2d: `{name}` must be a bool, got {type(v).__name__}")
 
 
 def _check_variant(tile: int, vec: int) -> None:
@@ -154,13 +185,26 @@ def _backward_reference(grad_y, x, weight, has_bias, add_input):
 @torch.library.impl(_LIB, "depthwise_conv2d_backward", "CompositeExplicitAutograd")
 def _dwconv_backward_reference(grad_y, x, weight, has_bias, add_input, tile, vec):
     _check(x, weight, None)
+    _check_grad_y(grad_y, x)
     _check_variant(tile, vec)
     return _backward_reference(grad_y, x, weight, has_bias, add_input)
 
 
 @torch.library.register_fake("gspn2::depthwise_conv2d_backward", lib=_LIB)
 def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input, tile, vec):
+    _check(x, weight, None)
+    _check_grad_y(grad_y, x)
+    _check_variant(tile, vec)
     return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format), weight.new_empty(weight.shape[0])
+
+
+refuse_nested(_LIB, "depthwise_conv2d", lambda x, weight, bias, *flags: _check(x, weight, bias))
+def _check_backward_call(grad_y, x, weight, *flags):
+    _check(x, weight, None)
+    _check_grad_y(grad_y, x)
+
+
+refuse_nested(_LIB, "depthwise_conv2d_backward", _check_backward_call)
 
 
 def _setup_context(ctx, inputs, output):
@@ -173,8 +217,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y):
     if ctx.silu:
-        raise RuntimeError(
-            "gspn2::depthwise_conv2d with silu=True has no backward; depthwise_conv2d(..., silu=True) applies "
+        # ValueError, as the CUDA formula raises (gspn2/csrc/dwconv.cpp)
+        raise ValueError(
+            "gspn2::depthwise_conv2d with `silu`=True has no backward; depthwise_conv2d(..., silu=True) applies "
             "SiLU separately whenever autograd records"
         )
     x, weight = ctx.saved_tensors
@@ -215,8 +260,8 @@ def depthwise_conv2d(
     Under autocast ``x`` is cast to the autocast dtype, as ``F.conv2d`` would be; the kernel reads the
     weight and bias in float32 and accumulates in float32. Returns ``x``'s dtype and strides.
     """
-    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 4):
-        _check(x, weight, bias)  # raises, naming the argument
+    _check(x, weight, bias)
+    _check_flags(add_input, silu)
     if autocast_enabled(x.device.type):
         cast = x.to(torch.get_autocast_dtype(x.device.type))
         if add_input and cast.dtype != x.dtype:  # x + conv(x) promotes to x's dtype, as in eager
@@ -224,9 +269,7 @@ def depthwise_conv2d(
             return F.silu(y) if silu else y
         x = cast
     if x.is_cuda and not _use_kernel(x, weight):  # cuDNN: plain ops, which torch.compile can fuse around
-        _check(x, weight, bias)
         return _conv_reference(x, weight, bias, add_input, silu, match_strides=False)
-    # The op checks its arguments (gspn2/csrc/dwconv.cpp on CUDA, _dwconv_reference elsewhere).
     records = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if silu and records:
         return F.silu(_dwconv(x, weight, bias, add_input, False))

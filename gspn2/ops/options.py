@@ -110,7 +110,7 @@ def set_options(**changes) -> Options:
     global _current
     unknown = set(changes) - {f.name for f in dataclasses.fields(Options)}
     if unknown:
-        raise TypeError(f"unknown gspn2 option(s): {', '.join(sorted(unknown))}")
+        raise TypeError(f"unknown gspn2 option(s): {', '.join(f'`{k}`' for k in sorted(unknown))}")
     previous = _current
     _current = dataclasses.replace(_current, **changes)
     return previous

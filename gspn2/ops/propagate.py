@@ -22,7 +22,14 @@ from typing import Optional
 import torch
 
 from gspn2.ops import options as _options
-from gspn2.ops._checks import check_backward_inputs, check_chunk, check_options, check_propagate_inputs
+from gspn2.ops._checks import (
+    check_backward_inputs,
+    check_chunk,
+    check_kernel_type,
+    check_options,
+    check_propagate_inputs,
+    refuse_nested,
+)
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 
 __all__ = ["gspn_propagate"]
@@ -64,8 +71,18 @@ def _propagate_backward_reference(grad_h, x, lam, gates, h, chunk, kernel, clust
 def _propagate_backward_fake(grad_h, x, lam, gates, h, chunk, kernel, cluster_ctas):
     check_propagate_inputs(x, lam, gates, chunk)
     check_backward_inputs(grad_h, x, h)
+    check_options(kernel, cluster_ctas)
     # Every backend returns contiguous gradients, whatever the strides of the inputs.
     return x.new_empty(x.shape), lam.new_empty(lam.shape), gates.new_empty(gates.shape)
+
+
+def _check_backward_call(grad_h, x, lam, gates, h, chunk, kernel, cluster_ctas):
+    check_propagate_inputs(x, lam, gates, chunk)
+    check_backward_inputs(grad_h, x, h)
+
+
+refuse_nested(_LIB, "propagate", lambda x, lam, gates, chunk, *opts: check_propagate_inputs(x, lam, gates, chunk))
+refuse_nested(_LIB, "propagate_backward", _check_backward_call)
 
 
 def _setup_context(ctx, inputs, output):
@@ -124,12 +141,15 @@ def gspn_propagate(
     opts = _options.current()
     if chunk is not None:
         check_chunk(chunk)  # before the schema's 64-bit int can overflow
+    if kernel is None:
+        kernel = opts.kernel
+    else:
+        check_kernel_type(kernel)  # the schema would raise a RuntimeError for an int, and decode bytes
     if isinstance(x, torch.Tensor) and x.is_cuda and (x.dtype == torch.float64 or opts.backend == "reference"):
         check_propagate_inputs(x, lam, gates, chunk)
+        check_options(kernel, opts.cluster_ctas)
         return gspn_propagate_ref(x, lam, gates, chunk)
     for name, t in (("x", x), ("lam", lam), ("gates", gates)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"gspn_propagate: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    return torch.ops.gspn2.propagate.default(
-        x, lam, gates, chunk, opts.kernel if kernel is None else kernel, opts.cluster_ctas
-    )
+    return torch.ops.gspn2.propagate.default(x, lam, gates, chunk, kernel, opts.cluster_ctas)
