@@ -30,8 +30,8 @@ ScalarType dw_scalar_type(at::ScalarType t) {
     case at::kHalf: return ScalarType::Half;
     case at::kBFloat16: return ScalarType::BFloat16;
     default:
-      C10_THROW_ERROR(TypeError, gspn2::message("gspn2: the depthwise convolution kernel supports float32, float16 and "
-                                                "bfloat16, got ", t));
+      C10_THROW_ERROR(TypeError, gspn2::message("gspn2: `x` must be float32, float16 or bfloat16 for the depthwise "
+                                                "convolution kernel, got ", t));
   }
   return ScalarType::Float;
 }
@@ -54,11 +54,14 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xna
                  "`", xname, "` and `weight` must be dense (strided) tensors");
   GSPN2_DW_CHECK(x.is_cuda(), "`", xname, "` must be a CUDA tensor, got ", x.device());
   GSPN2_DW_CHECK(x.dim() == 4, "`", xname, "` must be (B, C, H, W), got ", x.sizes());
+  GSPN2_DW_CHECK(x.size(0) >= 1 && x.size(1) >= 1 && x.size(2) >= 1 && x.size(3) >= 1, "`", xname,
+                 "` must have no empty dimension, got ", x.sizes());
   const int64_t C = x.size(1);
   GSPN2_DW_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3),
                  "`weight` must be (C, 1, K, K) with C = ", C, ", got ", weight.sizes());
   GSPN2_DW_CHECK(dwconv_kernel_size_supported(int(weight.size(2))),
-                 "the depthwise convolution kernel takes K in {3, 5, 7}, got K = ", weight.size(2));
+                 "`weight`: the depthwise convolution kernel takes K in {3, 5, 7}, got K = ", weight.size(2));
+  GSPN2_DW_CHECK(weight.is_floating_point(), "`weight` must be a floating-point tensor, got ", weight.scalar_type());
   GSPN2_DW_CHECK(weight.device() == x.device(), "`weight` must be on ", x.device(), " like `", xname, "`, got ",
                  weight.device());
   GSPN2_DW_CHECK(x.numel() < (int64_t(1) << 31) * 16, "`", xname, "` is too large: ", x.sizes());
@@ -75,6 +78,8 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   check_common(x_, weight, "x");
   const int64_t C = x_.size(1);
   if (bias.has_value()) {
+    GSPN2_DW_CHECK(bias->layout() == at::kStrided, "`bias` must be a dense (strided) tensor");
+    GSPN2_DW_CHECK(bias->is_floating_point(), "`bias` must be a floating-point tensor, got ", bias->scalar_type());
     GSPN2_DW_CHECK(bias->dim() == 1 && bias->size(0) == C, "`bias` must be (C,) with C = ", C, ", got ",
                    bias->sizes());
     GSPN2_DW_CHECK(bias->device() == x_.device(), "`bias` must be on ", x_.device(), ", got ", bias->device());
@@ -209,7 +214,7 @@ class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     GSPN2_DW_CHECK(!ctx->saved_data["silu"].toBool(),
-                   "gspn2::depthwise_conv2d with silu=True has no backward; depthwise_conv2d(..., silu=True) applies "
+                   "gspn2::depthwise_conv2d with `silu`=True has no backward; depthwise_conv2d(..., silu=True) applies "
                    "SiLU separately whenever autograd records");
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("gspn2::depthwise_conv2d_backward", "")

@@ -357,8 +357,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& 
   const int64_t K = gates.size(3);
   GSPN2_CHECK(K >= 1 && C % K == 0, "`gates` has K = ", K, " affinity groups (dim 3), which must divide C = ", C);
   CHECK_SHAPE(gates, B, 4, 3, K, H, W);
-  GSPN2_CHECK(H * W < (int64_t(1) << 31), "H * W must be below 2^31, got ", H, " x ", W);
-  GSPN2_CHECK(4 * B * C < (int64_t(1) << 31), "too many blocks for one launch: B * C = ", B * C);
+  GSPN2_CHECK(H * W < (int64_t(1) << 31), "`x`: H * W must be below 2^31, got ", H, " x ", W);
+  GSPN2_CHECK(4 * B * C < (int64_t(1) << 31), "`x`: B * C = ", B * C, " is too large for one launch (4 * B * C must be below 2^31)");
   GSPN2_CHECK(!chunk.has_value() || *chunk >= 1, "`chunk` must be None or >= 1, got ", chunk.value_or(0));
 }
 
