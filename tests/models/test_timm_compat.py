@@ -84,7 +84,7 @@ def test_fx_leaves_are_called_not_traced_through():
     called = {getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"}
     assert {"check_input", "propagate", "depthwise_conv", "layer_norm_last_dim"} <= called
     # The op entry points are registered too, for modules of one's own that call them directly.
-    assert {gspn_propagate, gspn2.layers.depthwise_conv2d, gspn2.layers.norm_linear} <= set(get_notrace_functions())
+    assert {gspn_propagate, gspn2.ops.depthwise_conv2d, gspn2.layers.norm_linear} <= set(get_notrace_functions())
 
 
 def test_plain_symbolic_trace_equals_eager():
@@ -289,7 +289,7 @@ def test_flop_formulas_of_the_custom_ops():
     conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
     y = torch.randn(2, 4, 6, 7, requires_grad=True)
     with FlopCounterMode(display=False) as counter:
-        gspn2.layers.depthwise_conv2d(y, conv.weight, conv.bias, add_input=True).sum().backward()
+        gspn2.ops.depthwise_conv2d(y, conv.weight, conv.bias, add_input=True).sum().backward()
     counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     assert counts["gspn2.depthwise_conv2d"] == 2 * 9 * y.numel()
     assert counts["gspn2.depthwise_conv2d_backward"] == 2 * 9 * (y.numel() + y.numel())
