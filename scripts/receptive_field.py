@@ -448,7 +448,7 @@ def probe_stage(panel: Panel, img_size: tuple[int, int], device: torch.device) -
     try:
         with torch.no_grad():
             feat = _stage_output(panel, torch.zeros(1, 3, *img_size, device=device))
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # a conv that cannot run, or the model's own size check
         raise ValueError(
             f"{panel.label} cannot run at --img-size {img_size[0]}x{img_size[1]} up to stage {panel.stage}: "
             f"{str(e).splitlines()[0]}"

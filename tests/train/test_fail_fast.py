@@ -62,8 +62,10 @@ def test_gpu_run_without_the_extension_stops_with_the_build_hint(train_script, d
     with pytest.raises(ConfigError, match="pip install --no-build-isolation"):
         train_script.train(cfg)
     assert not runs.exists()
-    monkeypatch.setenv("GSPN2_BACKEND", "reference")  # the pure-PyTorch reference needs no extension
-    runinfo.require_extension(torch.device("cuda", 0))
+    from gspn2.ops import options
+
+    with options.override(backend="reference"):  # the pure-PyTorch reference needs no extension
+        runinfo.require_extension(torch.device("cuda", 0))
     assert BUILD_HINT.startswith("gspn2's CUDA extension")
 
 

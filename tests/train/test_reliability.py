@@ -162,12 +162,12 @@ def test_lock_is_exclusive_and_released_on_error(train_script, digits_root, tmp_
         with pytest.raises(RunDirBusy, match=f"pid {os.getpid()}"):
             RunDirLock(run_dir).acquire()
     assert not run_dir.exists()  # the lock created the folder and, empty, it is removed again
-    # a start that fails (here: no such data) releases the lock and leaves no folder behind
-    with pytest.raises(DataError, match="no_such_data"):
+    # a start that fails after taking the lock (here: a data root without its split folders, which the
+    # config checks before the lock do not look into) releases it and leaves no folder behind
+    (tmp_path / "no_splits").mkdir()
+    with pytest.raises(DataError, match="no_splits"):
         train_script.train(
-            compose_cfg(
-                [*QUICK, f"data.root={tmp_path / 'no_such_data'}", "data.prepare=null", f"run_dir={run_dir}"]
-            )
+            compose_cfg([*QUICK, f"data.root={tmp_path / 'no_splits'}", "data.prepare=null", f"run_dir={run_dir}"])
         )
     assert not run_dir.exists()
     with RunDirLock(run_dir) as lock:
