@@ -37,12 +37,12 @@ else
         n_arch=$(echo "$TORCH_CUDA_ARCH_LIST" | tr ';, ' '\n\n\n' | grep -c .)
         echo "gspn2: compiling the CUDA extension (6 C++/CUDA files in gspn2/csrc) with $nvcc"
         echo "gspn2:   for compute capability $TORCH_CUDA_ARCH_LIST ($why), $jobs parallel job(s)"
-        echo "gspn2:   this takes minutes: about 8 per architecture on 2 busy cores; progress below"
+        echo "gspn2:   this takes minutes: about 5-8 per architecture on 2 cores; progress below"
         log=.venv/gspn2-build.log
         start=$(date +%s)
         # pip -v shows ninja's [k/N] lines; keep those (the file being compiled), the full log goes to $log
         if ! MAX_JOBS=$jobs "${PIP[@]}" install -v -c requirements/constraints.txt --no-build-isolation -e ".[test]" \
-            2>&1 | tee "$log" | awk '/^\[[0-9]+\/[0-9]+\]/ { f = ""; for (i = 2; i <= NF; i++) if ($i ~ /\.(cu|cpp)$/) { f = $i; break }
+            2>&1 | tee "$log" | awk '/^[[:space:]]*\[[0-9]+\/[0-9]+\]/ { f = ""; for (i = 2; i <= NF; i++) if ($i ~ /\.(cu|cpp)$/) { f = $i; break }
                                    n = split(f, parts, "/"); print "gspn2:   " $1 " " (n ? parts[n] : "linking gspn2/_C"); fflush() }'; then
             echo "gspn2: the build failed; the last lines of $log:" >&2
             tail -n 40 "$log" >&2
