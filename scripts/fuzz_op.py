@@ -336,7 +336,8 @@ def prop_bad_tensor_cases():
     return cases
 
 
-def _prop_case(entry, fn, raw, label, make, names):
+def _error_case(entry, fn, raw, label, make, names):
+    """A case whose inputs ``make(device)`` builds and whose call must fail clearly."""
     def build(dev):
         try:
             args = make(dev)
@@ -728,19 +729,6 @@ def dw_valid_cases():
     return out
 
 
-def _dw_bad(entry, fn, raw, label, make, names):
-    def build(dev):
-        try:
-            args = make(dev)
-        except SetupError:
-            raise
-        except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
-            raise SetupError(f"{type(e).__name__}: {e}") from e
-        return Call(lambda: fn(*args))
-
-    return Case(f"{entry}/{label}", build, "error", names, raw=raw)
-
-
 def _dw_valid(entry, fn, raw, label, make, add_input, silu):
     def build(dev):
         x, w, b = make(dev)
@@ -967,13 +955,13 @@ def build_cases() -> list[Case]:
     """Every case, in a fixed order (names are unique)."""
     cases = []
     for entry, fn, raw in PROP_ENTRIES:
-        cases += [_prop_case(entry, fn, raw, *c) for c in prop_bad_tensor_cases()]
+        cases += [_error_case(entry, fn, raw, *c) for c in prop_bad_tensor_cases()]
         cases += [_valid_prop(entry, fn, raw, label, make, chunk, finite=finite) for label, make, chunk, finite in prop_valid_cases()]
         cases += [_outside_case(entry, fn, raw, *c) for c in prop_outside_line_cases()]
         cases += [_chunk_case(entry, fn, raw, *c) for c in prop_chunk_cases()]
     cases += _kernel_cases() + _grad_cases() + _backward_cases()
     for entry, fn, raw in DW_ENTRIES:
-        cases += [_dw_bad(entry, fn, raw, *c) for c in dw_bad_cases()]
+        cases += [_error_case(entry, fn, raw, *c) for c in dw_bad_cases()]
         cases += [_dw_valid(entry, fn, raw, *c) for c in dw_valid_cases()]
     cases += _dw_flag_cases() + _dw_grad_cases() + _dw_backward_cases() + _option_cases() + _compile_cases()
     names = [c.name for c in cases]

@@ -67,20 +67,21 @@ def refuse_nested(lib: torch.library.Library, op: str, check) -> None:
     )
 
 
-def _check_tensor(name: str, t) -> None:
+def check_tensor(op: str, name: str, t) -> None:
+    """Argument ``name`` of ``op`` must be a dense floating-point tensor of a dtype the ops take."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"gspn_propagate: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided or t.is_nested:
         layout = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-        raise TypeError(f"gspn_propagate: `{name}` must be a dense (strided) tensor, got {layout}")
+        raise TypeError(f"{op}: `{name}` must be a dense (strided) tensor, got {layout}")
     if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"gspn_propagate: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        raise TypeError(f"{op}: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
 def check_propagate_inputs(x: torch.Tensor, lam: torch.Tensor, gates: torch.Tensor, chunk: int | None) -> None:
     """Raise ``TypeError``/``ValueError`` naming the offending argument; return ``None`` if all is well."""
     for name, t in (("x", x), ("lam", lam), ("gates", gates)):
-        _check_tensor(name, t)
+        check_tensor("gspn_propagate", name, t)
     if x.dim() != 4:
         raise ValueError(f"gspn_propagate: `x` must have shape (B, C, H, W), got {tuple(x.shape)}")
     B, C, H, W = x.shape
@@ -118,7 +119,7 @@ def check_backward_inputs(grad_h: torch.Tensor, x: torch.Tensor, h: torch.Tensor
     """``grad_h`` and ``h`` of ``gspn2::propagate_backward``: (B, 4, C, H, W), x's dtype and device."""
     B, C, H, W = x.shape
     for name, t in (("grad_h", grad_h), ("h", h)):
-        _check_tensor(name, t)
+        check_tensor("gspn_propagate", name, t)
         if tuple(t.shape) != (B, 4, C, H, W):
             raise ValueError(f"gspn2: `{name}` must have shape (B, 4, C, H, W) = {(B, 4, C, H, W)}, got {tuple(t.shape)}")
         if t.dtype != x.dtype or t.device != x.device:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from gspn2.ops import _cuda
 from gspn2.ops import options as _options
 from gspn2.ops._amp import autocast_enabled, cast_optional
-from gspn2.ops._checks import FLOAT_DTYPES, refuse_nested
+from gspn2.ops._checks import check_tensor, refuse_nested
 
 __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_available"]
 
@@ -65,17 +65,8 @@ def kernel_available() -> bool:
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if name == "bias" and t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"depthwise_conv2d: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided or t.is_nested:
-            layout = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-            raise TypeError(f"depthwise_conv2d: `{name}` must be a dense (strided) tensor, got {layout}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"depthwise_conv2d: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}"
-            )
+        if name != "bias" or t is not None:
+            check_tensor("depthwise_conv2d", name, t)
     if x.dim() != 4:
         raise ValueError(f"depthwise_conv2d: `x` must be a (B, C, H, W) tensor, got {tuple(x.shape)}")
     for dim, size in zip("BCHW", x.shape):
