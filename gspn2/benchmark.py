@@ -1,14 +1,16 @@
-"""Helpers shared by the benchmark scripts: timing (scripts/bench_models.py, scripts/bench_fast_path.py) and
-the ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py)."""
+"""Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_fast_path.py), the
+``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py) and image-size arguments
+(scripts/count.py, scripts/receptive_field.py)."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Callable
 
 import torch
 
-__all__ = ["aot_config", "median_ms"]
+__all__ = ["aot_config", "median_ms", "parse_image_size"]
 
 
 def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | None = None) -> float:
@@ -64,3 +66,17 @@ def aot_config(items: list[str]) -> dict:
         except (ValueError, SyntaxError):
             raise ValueError(f"--aot-config {key}: {value!r} is not a Python literal") from None
     return out
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """argparse type: ``"32"`` -> (32, 32); ``"24x40"`` -> (24, 40) (H x W), positive ints."""
+    parts = text.lower().split("x")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or HxW with positive ints, got {text!r}") from None
+    if len(values) == 1:
+        values = values * 2
+    if len(values) != 2 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected N or HxW with positive ints, got {text!r}")
+    return values  # type: ignore[return-value]

@@ -20,6 +20,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
+from gspn2.benchmark import parse_image_size as parse_img_size
 from gspn2.counting import MAC_TOLERANCE, PAPER_COUNTS, PARAM_TOLERANCE, ModelCount, count_model
 
 PAPER_SIZE = (224, 224)
@@ -34,20 +35,6 @@ MIXER_PARTS = (
     ("  of which projection back (4P -> E)", _BLOCK + r"proj_up"),
     ("  of which mixer norm", _BLOCK + r"norm"),
 )
-
-
-def parse_img_size(text: str) -> Tuple[int, int]:
-    """``"224"`` -> (224, 224); ``"224x320"`` -> (224, 320) (H x W)."""
-    parts = text.lower().split("x")
-    try:
-        values = tuple(int(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--img-size must be N or HxW, got {text!r}") from None
-    if len(values) == 1:
-        values = values * 2
-    if len(values) != 2 or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--img-size must be N or HxW with positive ints, got {text!r}")
-    return values  # type: ignore[return-value]
 
 
 def _table(header: Sequence[str], rows: List[Sequence[str]], markdown: bool) -> str:

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from gspn2.benchmark import parse_image_size as parse_size
+
 DIRECTIONS = ("left->right", "right->left", "top->bottom", "bottom->top")
 GATE_CHOICES = ("uniform", "random")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
@@ -53,20 +55,6 @@ _FLOAT64_SAFE = 1e-290
 
 
 # --------------------------------------------------------------------------------------- arguments
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """``"32"`` -> (32, 32); ``"24x40"`` -> (24, 40) (H x W)."""
-    parts = text.lower().split("x")
-    try:
-        values = tuple(int(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or HxW with positive ints, got {text!r}") from None
-    if len(values) == 1:
-        values = values * 2
-    if len(values) != 2 or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected N or HxW with positive ints, got {text!r}")
-    return values  # type: ignore[return-value]
 
 
 def _png_path(out: str) -> Path:
