@@ -27,11 +27,6 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-with warnings.catch_warnings():
-    # fvcore.nn scripts its focal loss at import time; torch deprecates jit.script. Not our concern here.
-    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
-    from fvcore.nn import FlopCountAnalysis
-    from fvcore.nn.jit_handles import get_shape
 
 __all__ = [
     "GSPN2_COMPONENTS",
@@ -46,6 +41,29 @@ __all__ = [
     "propagate_mac_handle",
     "register_fvcore_default_handles",
 ]
+
+def _fvcore_nn():
+    """``fvcore.nn``, imported on first use: ``import gspn2`` (and with it :mod:`gspn2.ops`) does not need
+    fvcore, only counting does."""
+    with warnings.catch_warnings():
+        # fvcore.nn scripts its focal loss at import time; torch deprecates jit.script. Not our concern here.
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+        return importlib.import_module("fvcore.nn")
+
+
+def fvcore_available() -> bool:
+    """Whether fvcore imports (it is a dependency of the package; a bare environment may lack it)."""
+    try:
+        importlib.import_module("fvcore")
+    except ImportError:
+        return False
+    return True
+
+
+def get_shape(value: Any):
+    """The shape fvcore reads from a traced value (``fvcore.nn.jit_handles.get_shape``)."""
+    return importlib.import_module("fvcore.nn.jit_handles").get_shape(value)
+
 
 #: MACs per output element of ``gspn2::propagate`` (per direction; the output holds all four directions).
 PROPAGATE_MACS_PER_ELEMENT = 4
@@ -109,7 +127,8 @@ FVCORE_HANDLES = {
 def register_fvcore_default_handles() -> None:
     """Add :data:`FVCORE_HANDLES` to fvcore's table of default handles, which every ``FlopCountAnalysis``
     starts from, so that one built without ``set_op_handle`` (timm's ``benchmark.py``) counts gspn2's ops.
-    Called when :mod:`gspn2.ops` is imported. A handle fvcore already has for one of these names is a
+    Called when :mod:`gspn2.ops` is imported (if fvcore is installed) and again by :func:`count_model`;
+    calling it twice is harmless. A handle fvcore already has for one of these names is a
     conflict, not something to overwrite: it raises ``RuntimeError``."""
     # importlib: ``fvcore.nn.flop_count`` as an attribute is the function of that name, not the module.
     table = getattr(importlib.import_module("fvcore.nn.flop_count"), "_DEFAULT_SUPPORTED_OPS", None)
@@ -242,7 +261,7 @@ def count_model(
         # Trace-time warnings about Python conditionals (input checks) do not affect the counts.
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            analysis = FlopCountAnalysis(model, (x,))
+            analysis = _fvcore_nn().FlopCountAnalysis(model, (x,))
             analysis.set_op_handle(**FVCORE_HANDLES)
             # Unsupported ops are returned in the result instead of logged once per run.
             analysis.unsupported_ops_warnings(False)

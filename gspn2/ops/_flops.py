@@ -5,7 +5,7 @@
   FLOPs, two per multiply-add, as it does for matmuls and convolutions; the formulas follow
   :mod:`gspn2.counting`'s MAC convention, doubled.
 * fvcore's ``FlopCountAnalysis`` (which timm's ``benchmark.py`` uses) gets gspn2's handles in its table of
-  default handles (:func:`gspn2.counting.register_fvcore_default_handles`), so an analysis built without
+  default handles (:func:`gspn2.counting.register_fvcore_default_handles`, when fvcore is installed), so an analysis built without
   ``set_op_handle`` counts the ops too. fvcore counts MACs.
 
 MACs per op, as :mod:`gspn2.counting` defines them:
@@ -28,7 +28,7 @@ import math
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from gspn2.counting import PROPAGATE_MACS_PER_ELEMENT, register_fvcore_default_handles
+from gspn2.counting import PROPAGATE_MACS_PER_ELEMENT, fvcore_available, register_fvcore_default_handles
 from gspn2.ops import dwconv as _dwconv  # noqa: F401  (defines gspn2::depthwise_conv2d and its backward)
 
 __all__ = ["FLOPS_PER_MAC", "PROPAGATE_BACKWARD_MACS_PER_ELEMENT"]
@@ -60,4 +60,7 @@ def _depthwise_conv2d_backward_flops(grad_y_shape, x_shape, w_shape, *args, out_
     return FLOPS_PER_MAC * taps * (math.prod(x_shape) + math.prod(grad_y_shape))
 
 
-register_fvcore_default_handles()
+# fvcore is a dependency of the package, but the op layer does not need it: without it, only the fvcore
+# handles are missing (count_model then fails with fvcore's ImportError).
+if fvcore_available():
+    register_fvcore_default_handles()

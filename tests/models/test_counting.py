@@ -117,3 +117,27 @@ def test_count_script_check_flags_out_of_tolerance(monkeypatch):
     script = _load_count_script()
     monkeypatch.setitem(script.PAPER_COUNTS, "gspn2_micro", script.PAPER_COUNTS["gspn2_tiny"])
     assert script.main(["--model", "gspn2_micro", "--check"]) == 1
+
+
+def test_import_and_run_without_fvcore():
+    """fvcore is needed to count, not to build or run a model: with fvcore unimportable, ``import gspn2``
+    works, a model runs, and count_model fails with fvcore's ImportError (not at import)."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'fvcore' or name.startswith('fvcore.'):\n"
+        "            raise ImportError('fvcore blocked by the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import timm, torch, gspn2\n"
+        "from gspn2.counting import count_model, fvcore_available\n"
+        "m = timm.create_model('gspn2_micro', num_classes=3).eval()\n"
+        "assert m(torch.randn(1, 3, 32, 32)).shape == (1, 3)\n"
+        "try:\n"
+        "    count_model(m, (3, 32, 32))\n"
+        "except ImportError as e:\n"
+        "    print('count:', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "count: fvcore blocked by the test" in proc.stdout
