@@ -23,8 +23,8 @@ resolution) into ``--out-dir``.
 ``--host-overhead``: the host cost of one call of each gspn2 op on tiny inputs, as the wall time per call of
 back-to-back calls minus the kernel time per call (CUDA-graph replay of the same call). Forward alone
 (``gspn_propagate`` and the raw ``torch.ops`` call), and forward plus backward through autograd, for which the
-autograd engine's own cost per ``backward()`` (measured on ``x * 2``, whose kernels take about as long) is
-shown and subtracted. Writes ``bench_host_overhead.json`` and ``.md``.
+autograd engine's own cost per ``backward()`` (measured on ``torch.addcmul(a, b, c)``: three leaves, as the ops
+have, and kernels as short) is shown and subtracted. Writes ``bench_host_overhead.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -313,7 +313,8 @@ def host_overhead(out_dir: str, n: int = 2000) -> list:
     xdg = xd.detach().clone().requires_grad_(True)
     wdg, bdg = wd.clone().requires_grad_(True), bd.clone().requires_grad_(True)
     gyd = torch.randn_like(xd)
-    xa = torch.randn(2, 4, 2, 8, 8, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    # The engine's own cost: an aten op with as many leaves (three, each with an AccumulateGrad) as the ops.
+    xa, ya, za = (torch.randn(2, 4, 2, 8, 8, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
     def train_step(f, grad, *params):
         def step():
@@ -326,7 +327,8 @@ def host_overhead(out_dir: str, n: int = 2000) -> list:
         ("gspn_propagate forward", lambda: gspn_propagate(x, lam, gates), None),
         ("torch.ops.gspn2.propagate forward", lambda: torch.ops.gspn2.propagate(x, lam, gates, None, "auto", 0), None),
         ("depthwise_conv2d forward (3x3, kernel)", lambda: depthwise_conv2d(xd, wd, bd, True), None),
-        ("autograd engine: x * 2, forward + backward", train_step(lambda: xa * 2, gh, xa), "engine"),
+        ("autograd engine: addcmul(a, b, c), 3 leaves, forward + backward",
+         train_step(lambda: torch.addcmul(xa, ya, za), gh, xa, ya, za), "engine"),
         ("gspn_propagate forward + backward", train_step(lambda: gspn_propagate(xg, lg, gg), gh, xg, lg, gg), "op"),
         ("depthwise_conv2d forward + backward", train_step(lambda: depthwise_conv2d(xdg, wdg, bdg, True), gyd, xdg, wdg, bdg), "op"),
     ]
@@ -340,7 +342,9 @@ def host_overhead(out_dir: str, n: int = 2000) -> list:
         lambda: bwd(gh, x, lam, gates, h)) * 1e3
     kernel_us["depthwise_conv2d forward + backward"] = kernel_us["depthwise_conv2d forward (3x3, kernel)"] + median_ms(
         lambda: torch.ops.gspn2.depthwise_conv2d_backward(gyd, xd, wd, True, True, 4, 8)) * 1e3
-    kernel_us["autograd engine: x * 2, forward + backward"] = median_ms(lambda: xa.detach() * 2) * 1e3 * 2
+    a, b, c = xa.detach(), ya.detach(), za.detach()
+    kernel_us["autograd engine: addcmul(a, b, c), 3 leaves, forward + backward"] = median_ms(
+        lambda: (torch.addcmul(a, b, c), gh * c, gh * b, gh.clone())) * 1e3
     engine = None
     for name, fn, kind in cases:
         wall = _per_call_us(fn, n)

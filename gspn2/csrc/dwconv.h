@@ -47,6 +47,7 @@ struct DwConvWgradPlan {
   int tile = 4;                  // output pixels per strip
   int block_x = 1, block_y = 1;  // threads: channel vectors x strips
   int channel_tiles = 1;
+  int row_groups = 1;            // CTAs along the kernel rows (K / rows per CTA)
   int chunks = 1;
   int64_t strips = 0;            // output strips: one thread's work unit
   int64_t strips_per_chunk = 0;

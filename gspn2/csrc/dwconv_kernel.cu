@@ -145,22 +145,29 @@ __global__ void __launch_bounds__(128) dwconv_forward_kernel(
 // Largest block the weight-gradient CTA uses (threads), and its shared-memory staging (floats).
 constexpr int kWgradThreads = 256;
 
+// Kernel rows per weight-gradient CTA: all K of a 3x3 (grad_y is read once; 9 taps x V accumulators per
+// thread), one of a 5x5 or 7x7 (K x V accumulators; grad_y is read once per kernel row).
+__host__ __device__ constexpr int wgrad_rows(int K) { return K == 3 ? 3 : 1; }
+
 template <typename T, int V, int K, int TW>
 __global__ void __launch_bounds__(kWgradThreads) dwconv_wgrad_kernel(
     const T* __restrict__ gy, const T* __restrict__ x, float* __restrict__ partial, int H, int W, int C, int n_cv,
     int n_ws, int64_t strips, int64_t strips_per_chunk) {
   constexpr int P = K / 2;
+  constexpr int R = wgrad_rows(K);
   __shared__ float red[kWgradThreads * V];
-  const int i = blockIdx.x;  // kernel row
+  const int i0 = blockIdx.x * R;  // first kernel row of this CTA
   const int cv = blockIdx.y * blockDim.x + threadIdx.x;
   const int chunk = blockIdx.z;
   const bool active = cv < n_cv;
   const int c0 = cv * V;
 
-  float acc[K][V];
+  float acc[R][K][V];
   float accb[V];
 #pragma unroll
-  for (int j = 0; j < K; ++j) zero_vec(acc[j]);
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < K; ++j) zero_vec(acc[r][j]);
   zero_vec(accb);
 
   const int64_t s_begin = int64_t(chunk) * strips_per_chunk;
@@ -168,60 +175,65 @@ __global__ void __launch_bounds__(kWgradThreads) dwconv_wgrad_kernel(
   if (active) {
     for (int64_t s = s_begin + threadIdx.y; s < s_end; s += blockDim.y) {
       const int ws = int(s % n_ws);
-      const int64_t r = s / n_ws;  // b * H + h
-      const int h = int(r % H);
+      const int64_t row = s / n_ws;  // b * H + h
+      const int h = int(row % H);
       const int w0 = ws * TW;
       float gv[TW][V];
 #pragma unroll
       for (int t = 0; t < TW; ++t) {
         if (w0 + t < W) {
-          load_vec<T, V>(gy + (r * W + w0 + t) * C + c0, gv[t]);
+          load_vec<T, V>(gy + (row * W + w0 + t) * C + c0, gv[t]);
         } else {
           zero_vec(gv[t]);
         }
       }
-      if (i == 0) {
+      if (i0 == 0) {
 #pragma unroll
         for (int t = 0; t < TW; ++t)
 #pragma unroll
           for (int v = 0; v < V; ++v) accb[v] += gv[t][v];
       }
-      const int hi = h + i - P;
-      if (hi < 0 || hi >= H) continue;
-      const T* xrow = x + ((r - h + hi) * W) * C + c0;
 #pragma unroll
-      for (int s2 = 0; s2 < TW + K - 1; ++s2) {
-        const int wi = w0 + s2 - P;
-        if (wi < 0 || wi >= W) continue;
-        float xv[V];
-        load_vec<T, V>(xrow + int64_t(wi) * C, xv);
+      for (int r = 0; r < R; ++r) {
+        const int hi = h + i0 + r - P;
+        if (hi < 0 || hi >= H) continue;
+        const T* xrow = x + ((row - h + hi) * W) * C + c0;
 #pragma unroll
-        for (int t = 0; t < TW; ++t) {
-          const int j = s2 - t;
-          if (j >= 0 && j < K) {
+        for (int s2 = 0; s2 < TW + K - 1; ++s2) {
+          const int wi = w0 + s2 - P;
+          if (wi < 0 || wi >= W) continue;
+          float xv[V];
+          load_vec<T, V>(xrow + int64_t(wi) * C, xv);
 #pragma unroll
-            for (int v = 0; v < V; ++v) acc[j][v] = fmaf(gv[t][v], xv[v], acc[j][v]);
+          for (int t = 0; t < TW; ++t) {
+            const int j = s2 - t;
+            if (j >= 0 && j < K) {
+#pragma unroll
+              for (int v = 0; v < V; ++v) acc[r][j][v] = fmaf(gv[t][v], xv[v], acc[r][j][v]);
+            }
           }
         }
       }
     }
   }
 
-  // Sum the threadIdx.y rows in order: one column (channel) per thread, for each tap of row i (and the bias).
+  // Sum the threadIdx.y rows in order: one column (channel) per thread, for each tap of rows i0 .. i0 + R - 1
+  // (and the bias, in the CTA of row 0).
   const int lt = threadIdx.y * blockDim.x + threadIdx.x;
   const int cols = blockDim.x * V;
   const int64_t base = int64_t(chunk) * (K * K + 1) * C + int64_t(blockIdx.y) * blockDim.x * V;
 #pragma unroll
-  for (int j = 0; j <= K; ++j) {
-    if (j == K && i != 0) break;
+  for (int q = 0; q <= R * K; ++q) {
+    if (q == R * K && i0 != 0) break;
+    const int r = q < R * K ? q / K : 0, j = q < R * K ? q % K : 0;
 #pragma unroll
-    for (int v = 0; v < V; ++v) red[lt * V + v] = j < K ? acc[j < K ? j : 0][v] : accb[v];
+    for (int v = 0; v < V; ++v) red[lt * V + v] = q < R * K ? acc[r][j][v] : accb[v];
     __syncthreads();
     if (lt < cols && blockIdx.y * blockDim.x + lt / V < n_cv) {
       // red's row y, column lt: thread (lt / V, y), vector lane lt % V
       float sum = 0.f;
       for (int yy = 0; yy < blockDim.y; ++yy) sum += red[yy * cols + lt];
-      const int tap = j < K ? i * K + j : K * K;
+      const int tap = q < R * K ? (i0 + r) * K + j : K * K;
       partial[base + int64_t(tap) * C + lt] = sum;
     }
     __syncthreads();
@@ -270,7 +282,7 @@ template <typename T, int V, int TW>
 void launch_row_wgrad(const DwConvWgradParams& p) {
   const DwConvWgradPlan& q = p.plan;
   const int n_ws = (p.W + TW - 1) / TW;
-  const dim3 grid(p.K, q.channel_tiles, q.chunks);
+  const dim3 grid(q.row_groups, q.channel_tiles, q.chunks);
   const dim3 block(q.block_x, q.block_y);
   auto gy = static_cast<const T*>(p.grad_y);
   auto x = static_cast<const T*>(p.x);
@@ -342,7 +354,8 @@ DwConvWgradPlan dwconv_wgrad_plan(int B, int H, int W, int C, int K, ScalarType 
   // the summation order and the result do not depend on the GPU).
   const int64_t min_per_chunk = int64_t(8) * q.block_y;
   const int64_t by_work = std::max<int64_t>(1, q.strips / min_per_chunk);
-  const int64_t by_grid = std::max<int64_t>(1, 512 / (int64_t(K) * q.channel_tiles));
+  q.row_groups = K / wgrad_rows(K);
+  const int64_t by_grid = std::max<int64_t>(1, 512 / (int64_t(q.row_groups) * q.channel_tiles));
   q.chunks = int(std::min<int64_t>({by_work, by_grid, 65535}));
   q.strips_per_chunk = std::max<int64_t>(1, (q.strips + q.chunks - 1) / q.chunks);
   q.chunks = int(std::max<int64_t>(1, (q.strips + q.strips_per_chunk - 1) / q.strips_per_chunk));

@@ -46,6 +46,8 @@ __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_avai
 KERNEL_SIZES = tuple(_cuda.limits()["dwconv_kernel_sizes"]) if _cuda.extension_available() else ()
 #: ... and those ``dwconv="auto"`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
 AUTO_KERNEL_SIZES = (3,)
+_EXTENSION = _cuda.extension_available()
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _LIB = torch.library.Library("gspn2", "FRAGMENT")
 _LIB.define(
@@ -117,20 +119,25 @@ def _channels_last(t: torch.Tensor) -> bool:
 def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the CUDA kernel computes this call (CUDA tensors; the ``dwconv`` option decides)."""
     choice = _options.current().dwconv
-    if choice == "cudnn":
+    if choice == "cudnn" or weight.dim() != 4:  # a malformed weight: the caller's checks name it
+        return False
+    K = weight.shape[-1]
+    if choice == "auto" and K not in AUTO_KERNEL_SIZES:  # the common cuDNN case: no further checks
+        return False
+    if _EXTENSION and x.dtype in _KERNEL_DTYPES and K in KERNEL_SIZES and _channels_last(x):
+        return True
+    if choice == "auto":
         return False
     reasons = []
-    if not _cuda.extension_available():
+    if not _EXTENSION:
         reasons.append("gspn2's CUDA extension is not built (pip install --no-build-isolation -e .)")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if x.dtype not in _KERNEL_DTYPES:
         reasons.append(f"dtype {x.dtype} (the kernel takes float32, float16, bfloat16)")
-    if weight.shape[-1] not in KERNEL_SIZES:
-        reasons.append(f"kernel size {weight.shape[-1]} (the kernel takes {KERNEL_SIZES})")
+    if K not in KERNEL_SIZES:
+        reasons.append(f"kernel size {K} (the kernel takes {KERNEL_SIZES})")
     if not _channels_last(x):
         reasons.append("an input without channels_last memory")
-    if reasons and choice == "cuda":
-        raise ValueError(f"{_options.DWCONV_ENV}=cuda, but the depthwise kernel cannot run: {'; '.join(reasons)}")
-    return not reasons and (choice == "cuda" or weight.shape[-1] in AUTO_KERNEL_SIZES)
+    raise ValueError(f"{_options.DWCONV_ENV}=cuda, but the depthwise kernel cannot run: {'; '.join(reasons)}")
 
 
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -251,17 +258,22 @@ def depthwise_conv2d(
     Under autocast ``x`` is cast to the autocast dtype, as ``F.conv2d`` would be; the kernel reads the
     weight and bias in float32 and accumulates in float32. Returns ``x``'s dtype and strides.
     """
-    _check(x, weight, bias)
     _check_flags(add_input, silu)
+    if not isinstance(x, torch.Tensor):
+        check_tensor("depthwise_conv2d", "x", x)  # raises the TypeError
     if autocast_enabled(x.device.type):
         cast = x.to(torch.get_autocast_dtype(x.device.type))
         if add_input and cast.dtype != x.dtype:  # x + conv(x) promotes to x's dtype, as in eager
             y = x + depthwise_conv2d(cast, weight, bias)
             return F.silu(y) if silu else y
         x = cast
-    if x.is_cuda and not _use_kernel(x, weight):  # cuDNN: plain ops, which torch.compile can fuse around
-        return _conv_reference(x, weight, bias, add_input, silu, match_strides=False)
-    records = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if silu and records:
+    # The kernel's C++ implementation checks every argument (gspn2/csrc/dwconv.cpp); other paths check here.
+    if not (x.is_cuda and isinstance(weight, torch.Tensor) and _use_kernel(x, weight)):
+        _check(x, weight, bias)
+        if x.is_cuda:  # cuDNN: plain ops, which torch.compile can fuse around
+            return _conv_reference(x, weight, bias, add_input, silu, match_strides=False)
+    if silu and torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return F.silu(_dwconv(x, weight, bias, add_input, False))
     return _dwconv(x, weight, bias, add_input, silu)
