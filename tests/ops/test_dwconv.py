@@ -230,9 +230,10 @@ def test_cuda_silu_fused_forward():
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("vec", ["8", "4"])
-def test_cuda_deterministic(vec):
-    options.set_options(dwconv_vec=int(vec))
-    x, w, b = _cuda_case(8, 160, 28, 28, 7, torch.bfloat16)
+@pytest.mark.parametrize("K", [3, 7])
+def test_cuda_deterministic(vec, K):
+    options.set_options(dwconv="cuda", dwconv_vec=int(vec))
+    x, w, b = _cuda_case(8, 160, 28, 28, K, torch.bfloat16)
     gy = torch.randn_like(x)
     a = _grads("cuda", x, w, b, True, gy)
     c = _grads("cuda", x, w, b, True, gy)
