@@ -1,8 +1,8 @@
 """Building blocks of the GSPN-2 models that run fast under bf16 autocast with channels_last memory.
 
 Each keeps the parameters of the plain module it stands for (``nn.Conv2d``, timm's ``LayerNorm2d`` and
-``Mlp``), so checkpoints and MAC counts do not change, and has a ``fast_path`` switch whose ``False``
-runs that plain module's forward: the reference the equivalence tests compare against.
+``Mlp``), so checkpoints and MAC counts are those of that module; ``tests/models/_reference.py`` swaps
+them for the plain modules to build the oracle of the equivalence tests.
 """
 
 from gspn2.layers.mlp import PointwiseMlp
