@@ -7,12 +7,21 @@ them for the plain modules to build the oracle of the equivalence tests.
 
 from gspn2.layers.mlp import PointwiseMlp
 from gspn2.layers.norm import LayerNorm2d, layer_norm_last_dim
-from gspn2.layers.pointwise import ChunkedConv1x1, Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
+from gspn2.layers.pointwise import (
+    ChunkedConv1x1,
+    Conv1x1,
+    NormParams,
+    from_rows,
+    gelu_linear,
+    norm_linear,
+    to_rows,
+)
 
 __all__ = [
     "ChunkedConv1x1",
     "Conv1x1",
     "LayerNorm2d",
+    "NormParams",
     "PointwiseMlp",
     "from_rows",
     "gelu_linear",

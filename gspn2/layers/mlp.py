@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from gspn2.layers.pointwise import Conv1x1, from_rows, gelu_linear, norm_linear, to_rows
+from gspn2.layers.pointwise import Conv1x1, NormParams, from_rows, gelu_linear, norm_linear, to_rows
 
 __all__ = ["PointwiseMlp"]
 
@@ -32,7 +32,7 @@ class PointwiseMlp(nn.Module):
         self.act = nn.GELU()
         self.fc2 = Conv1x1(hidden_features, in_features)
 
-    def forward(self, x: torch.Tensor, norm: Optional[Tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: Optional[NormParams] = None) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``: the MLP of ``x``, module by module.
 
         With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the MLP of the

@@ -16,7 +16,7 @@ activation's input and output alive until backward.
 # No ``from __future__ import annotations``: TorchScript reads the signatures of the ``torch.jit.unused``
 # functions below from their annotations, which must be real types, not strings.
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -27,7 +27,11 @@ from timm.layers import register_notrace_function
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 
-__all__ = ["ChunkedConv1x1", "Conv1x1", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
+__all__ = ["ChunkedConv1x1", "Conv1x1", "NormParams", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
+
+#: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
+#: (:func:`norm_linear`): the ``norm`` argument of the mixer and the MLP.
+NormParams = Tuple[torch.Tensor, torch.Tensor, float]
 
 # torch.fx leaves (timm's tracer list and a plain torch.fx.symbolic_trace): the autograd functions and
 # their argument checks cannot run on Proxies. The GSPN-2 blocks do not call them while fx traces

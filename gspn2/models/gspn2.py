@@ -48,7 +48,16 @@ from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, register_
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
 from timm.models._features import feature_take_indices
 
-from gspn2.layers import ChunkedConv1x1, Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, norm_linear, to_rows
+from gspn2.layers import (
+    ChunkedConv1x1,
+    Conv1x1,
+    LayerNorm2d,
+    NormParams,
+    PointwiseMlp,
+    from_rows,
+    norm_linear,
+    to_rows,
+)
 from gspn2.layers._trace import fused_training
 from gspn2.ops import depthwise_conv2d, gspn_propagate
 
@@ -220,7 +229,7 @@ class GSPN2Mixer(nn.Module):
         self.norm = LayerNorm2d(hidden)
         self.out_proj = Conv1x1(hidden, dim)
 
-    def forward(self, x: torch.Tensor, norm: Optional[Tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: Optional[NormParams] = None) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling ``in_proj``, ``norm`` and
         ``out_proj`` as modules.
 
@@ -258,7 +267,9 @@ class GSPN2Mixer(nn.Module):
         if norm is None:
             return self.out_proj(self.norm(y) * self.act(z))
         w, b = self.out_proj.weight.flatten(1), self.out_proj.bias
-        out = norm_linear(to_rows(y), self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=to_rows(z))[0]
+        (out,) = norm_linear(
+            to_rows(y), self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=to_rows(z)
+        )
         return from_rows(out, B, H, W)
 
 

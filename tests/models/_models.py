@@ -18,7 +18,9 @@ def micro(**kwargs) -> torch.nn.Module:
     return timm.create_model("gspn2_micro", num_classes=10, **kwargs)
 
 
-def images(B: int, H: int, W: int, channels: int = 3, seed: int = 1, channels_last: bool = False) -> torch.Tensor:
+def images(
+    B: int, H: int, W: int, channels: int = 3, seed: int = 1, channels_last: bool = False
+) -> torch.Tensor:
     """A ``(B, channels, H, W)`` batch of standard-normal values drawn from ``seed``."""
     x = torch.randn(B, channels, H, W, generator=torch.Generator().manual_seed(seed))
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x

@@ -1,4 +1,5 @@
-"""The oracle of the model tests: the GSPN-2 blocks written module by module from plain torch and timm modules.
+"""The oracle of the model tests: the GSPN-2 blocks written module by module from plain torch and timm
+modules.
 
 :func:`reference` takes a gspn2 module (a whole ``GSPN2``, a block, a mixer, ...) and returns a copy in
 which every gspn2 layer is replaced by the plain module it stands for, holding the same state dict:
@@ -75,7 +76,7 @@ class ReferenceMixer(nn.Module):
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
         lam = torch.sigmoid(lam).unflatten(1, (D, P))  # (B, 4, P, H, W)
         gates = gates.unflatten(1, (D, 3, K))  # (B, 4, 3, K, H, W) logits
-        # The op takes one dtype for all three inputs (under autocast sigmoid's output is fp32) and NCHW lines.
+        # The op takes one dtype for all three inputs (under autocast sigmoid's output is fp32), NCHW lines.
         dt = xp.dtype
         h = gspn_propagate(xp.contiguous(), lam.to(dt).contiguous(), gates.to(dt).contiguous(), self.chunk)
         y = (h * u.unflatten(1, (D, P))).flatten(1, 2)  # (B, 4P, H, W)

@@ -178,7 +178,8 @@ def test_saved_activations_per_block():
 
 def test_compile_fullgraph_traces_the_block():
     """Dynamo + AOT autograd capture the training formulation in one graph (autograd functions, autocast
-    switches); the aot_eager backend keeps the test fast, the GPU test compiles the whole model with inductor."""
+    switches); the aot_eager backend keeps the test fast, the GPU test compiles the whole model with
+    inductor."""
     torch.manual_seed(0)
     model = GSPN2Block(8).train()
     x = images(1, 5, 7, channels=8, channels_last=True).requires_grad_()
@@ -199,8 +200,8 @@ def test_compile_fullgraph_traces_the_block():
 
 def test_compile_fullgraph_under_autocast_training():
     """The autocast queries of the training formulation (LayerNorm dtype, the recomputing functions'
-    backward) trace without a graph break under autocast, forward and backward: torch 2.11's Dynamo broke the graph at
-    ``torch.amp.is_autocast_available`` in every LayerNorm and then recompiled per channel count."""
+    backward) trace without a graph break under autocast, forward and backward (Dynamo of torch 2.11 broke
+    the graph at ``torch.amp.is_autocast_available`` in every LayerNorm)."""
     torch.manual_seed(0)
     model = GSPN2Block(8).train()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
