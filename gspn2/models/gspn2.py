@@ -37,7 +37,7 @@ same state dict: the oracle of the equivalence tests.
 # No ``from __future__ import annotations``: torch.fx copies the forward's annotations into the code it
 # generates, and TorchScript (scripting an fx graph) needs them as real types, not strings.
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx
@@ -352,9 +352,7 @@ class GSPN2Stage(nn.Module):
         downsample: Halve the resolution with ``LayerNorm2d -> Conv2x2/2`` first; otherwise
             ``in_chs`` must equal ``out_chs``.
         drop_path_rates: One stochastic-depth rate per block.
-        chunk: ``None`` global, int local scan length for every block of the stage.
-        mlp_ratio, proxy_dim, affinity_groups, mixer_ratio, dw_kernel_size, lpu_kernel_size,
-        ls_init_value: see :class:`GSPN2Block`.
+        **block_kwargs: The other arguments of every :class:`GSPN2Block` (``chunk``, ``mlp_ratio``, ...).
     """
 
     def __init__(
@@ -364,14 +362,7 @@ class GSPN2Stage(nn.Module):
         depth: int,
         downsample: bool,
         drop_path_rates: Sequence[float],
-        chunk: Optional[int] = None,
-        mlp_ratio: float = 4.0,
-        proxy_dim: int = 2,
-        affinity_groups: int = 1,
-        mixer_ratio: float = 1.5,
-        dw_kernel_size: int = 7,
-        lpu_kernel_size: int = 3,
-        ls_init_value: Optional[float] = None,
+        **block_kwargs: Any,
     ) -> None:
         super().__init__()
         if len(drop_path_rates) != depth:
@@ -382,23 +373,7 @@ class GSPN2Stage(nn.Module):
             raise ValueError(f"`in_chs` ({in_chs}) must equal `out_chs` ({out_chs}) without downsampling")
         else:
             self.downsample = nn.Identity()
-        self.blocks = nn.Sequential(
-            *[
-                GSPN2Block(
-                    out_chs,
-                    mlp_ratio=mlp_ratio,
-                    proxy_dim=proxy_dim,
-                    affinity_groups=affinity_groups,
-                    mixer_ratio=mixer_ratio,
-                    dw_kernel_size=dw_kernel_size,
-                    lpu_kernel_size=lpu_kernel_size,
-                    chunk=chunk,
-                    ls_init_value=ls_init_value,
-                    drop_path=drop_path_rates[i],
-                )
-                for i in range(depth)
-            ]
-        )
+        self.blocks = nn.Sequential(*[GSPN2Block(out_chs, drop_path=r, **block_kwargs) for r in drop_path_rates])
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -486,6 +461,15 @@ class GSPN2(nn.Module):
         # every timm >= 1.0.15 that we support).
         # device="cpu": the schedule is plain numbers, also when the model is built under torch.device("meta").
         rates = torch.linspace(0, drop_path_rate, sum(depths), device="cpu")
+        block_kwargs = dict(
+            mlp_ratio=mlp_ratio,
+            proxy_dim=proxy_dim,
+            affinity_groups=affinity_groups,
+            mixer_ratio=mixer_ratio,
+            dw_kernel_size=dw_kernel_size,
+            lpu_kernel_size=lpu_kernel_size,
+            ls_init_value=ls_init_value,
+        )
         dp_rates = [r.tolist() for r in rates.split(list(depths))]
         stages = []
         self.feature_info: List[Dict[str, Union[int, str]]] = []
@@ -501,13 +485,7 @@ class GSPN2(nn.Module):
                     downsample=i > 0,
                     drop_path_rates=dp_rates[i],
                     chunk=stage_chunks[i],
-                    mlp_ratio=mlp_ratio,
-                    proxy_dim=proxy_dim,
-                    affinity_groups=affinity_groups,
-                    mixer_ratio=mixer_ratio,
-                    dw_kernel_size=dw_kernel_size,
-                    lpu_kernel_size=lpu_kernel_size,
-                    ls_init_value=ls_init_value,
+                    **block_kwargs,
                 )
             )
             prev_chs = dims[i]
