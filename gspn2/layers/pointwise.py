@@ -131,8 +131,9 @@ class _GeluLinear(torch.autograd.Function):
         return grad_h, grad_w, grad_b
 
 
-# TorchScript cannot compile an autograd function; scripted blocks never call these two (gspn2.layers._trace).
-# Its stub keeps no defaults: scriptable callers pass every argument.
+# TorchScript cannot compile an autograd function: there these two are stubs that raise, which scripted
+# blocks never reach (gspn2.layers._trace). The stubs keep no defaults: scripted callers pass every
+# argument.
 @torch.jit.unused
 def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(F.gelu(h), weight, bias)`` that keeps only ``h`` for backward (not also ``gelu(h)``).
