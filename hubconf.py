@@ -1,7 +1,7 @@
 """torch.hub entry points: ``torch.hub.load("<checkout>", "gspn2_tiny", source="local", num_classes=10)``.
 
 Each entry builds the timm-registered GSPN-2 model of that name; keyword arguments go to
-``timm.create_model`` (``num_classes``, ``drop_path_rate``, ``fast_path``, ``features_only``, ...).
+``timm.create_model`` (``num_classes``, ``drop_path_rate``, ``features_only``, ...).
 No pretrained weights are published: load your own with ``model.load_state_dict`` or fine-tune with
 ``train.py initial_checkpoint=...``.
 """

@@ -1,4 +1,4 @@
-"""Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_fast_path.py), the
+"""Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_step.py), the
 ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py) and image-size arguments
 (scripts/count.py, scripts/receptive_field.py)."""
 

@@ -11,10 +11,8 @@ AdamW) is timed three ways:
   own time for the step's kernels, the best eager could reach with zero host overhead. ``eager / graph``
   well above 1 means the GPU idles while Python and the dispatcher issue the step: the step is host-bound.
 
-    python scripts/bench_step.py                                              # tiny trio + the reference path
+    python scripts/bench_step.py                                              # the tiny trio
     python scripts/bench_step.py --models gspn2_tiny swin_tiny_patch4_window7_224 --repeats 3 --json s.json
-
-A model name ``NAME:ref`` builds ``NAME`` with ``fast_path=False`` (GSPN-2 only).
 """
 
 from __future__ import annotations
@@ -27,30 +25,17 @@ import subprocess
 import sys
 import time
 
-DEFAULT_MODELS = ["gspn2_tiny", "gspn2_tiny:ref", "swin_tiny_patch4_window7_224", "convnext_tiny"]
+DEFAULT_MODELS = ["gspn2_tiny", "swin_tiny_patch4_window7_224", "convnext_tiny"]
 
 
-def _check_spec(spec: str) -> tuple[str, dict]:
-    """``NAME`` or ``NAME:ref`` -> (timm name, extra create_model kwargs); SystemExit naming --models."""
+def _check_model(name: str) -> None:
+    """SystemExit naming --models unless ``name`` is a registered timm (or gspn2_*) model."""
     import timm
 
     import gspn2  # noqa: F401  (registers the gspn2_* models)
 
-    name, _, variant = spec.partition(":")
-    if variant not in ("", "ref"):
-        raise SystemExit(f"--models: unknown variant {variant!r} in {spec!r} (only ':ref')")
-    if variant and not name.startswith("gspn2_"):
-        raise SystemExit(f"--models: ':ref' applies to gspn2_* models only, got {spec!r}")
     if not timm.is_model(name):
         raise SystemExit(f"--models: unknown timm model {name!r}")
-    return name, ({"fast_path": False} if variant == "ref" else {})
-
-
-def _create(spec: str):
-    import timm
-
-    name, kwargs = _check_spec(spec)
-    return timm.create_model(name, num_classes=1000, **kwargs)
 
 
 def summarize(rows: list[dict], models: list[str], batch: int) -> str:
@@ -72,14 +57,16 @@ def summarize(rows: list[dict], models: list[str], batch: int) -> str:
 
 def measure(spec: str, batch: int, warmup: int, iters: int) -> dict:
     """One model in this process: eager, host and CUDA-graph times of a training step (ms)."""
+    import timm
     import torch
 
+    import gspn2  # noqa: F401  (registers the gspn2_* models)
     from gspn2.benchmark import median_ms
 
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
-    model = _create(spec).cuda().train().to(memory_format=torch.channels_last)
+    model = timm.create_model(spec, num_classes=1000).cuda().train().to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True, capturable=True)
     x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device="cuda")
@@ -144,7 +131,7 @@ def main() -> int:
         return 0
 
     for spec in args.models:  # fail on a bad name before anything runs
-        _check_spec(spec)
+        _check_model(spec)
     import torch
 
     if not torch.cuda.is_available():

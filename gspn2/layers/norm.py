@@ -48,33 +48,11 @@ class LayerNorm2d(_TimmLayerNorm2d):
 
     ``(B, C, H, W) -> (B, C, H, W)``. For channels_last memory the NHWC view ``x.permute(0, 2, 3, 1)`` is
     contiguous, so the norm is a plain last-dimension LayerNorm with no layout copy; a contiguous NCHW
-    input is copied once to NHWC by ``layer_norm`` (the output then has channels_last memory).
-
-    Args:
-        num_channels: Channels ``C``.
-        eps: Added to the variance.
-        fast_path: ``False`` runs timm's forward unchanged (fp32 under autocast), the reference of the
-            equivalence tests.
-        device, dtype: Where and in which dtype to create the parameters (as every timm layer).
+    input is copied once to NHWC by ``layer_norm`` (the output then has channels_last memory). Under
+    autocast it runs in the input's dtype (:func:`layer_norm_last_dim`), where timm's runs in fp32. The
+    constructor is timm's (``num_channels``, ``eps=1e-6``, ...).
     """
 
-    def __init__(
-        self,
-        num_channels: int,
-        eps: float = 1e-6,
-        fast_path: bool = True,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__(num_channels, eps=eps, device=device, dtype=dtype)
-        self.fast_path = fast_path
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            # TorchScript cannot call super().forward; this is timm's LayerNorm2d computation.
-            y = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
-            return y.permute(0, 3, 1, 2)
-        if not self.fast_path:
-            return super().forward(x)
         y = layer_norm_last_dim(x.permute(0, 2, 3, 1), self.weight, self.bias, self.eps)
         return y.permute(0, 3, 1, 2)

@@ -13,7 +13,8 @@ only and recompute the cheap elementwise part in backward, instead of autograd k
 activation's input and output alive until backward.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: TorchScript reads the signatures of the ``torch.jit.unused``
+# functions below from their annotations, which must be real types, not strings.
 
 from typing import List, Optional, Tuple
 
@@ -26,7 +27,11 @@ from timm.layers import register_notrace_function
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 
-__all__ = ["ChunkedConv1x1", "Conv1x1", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
+__all__ = ["ChunkedConv1x1", "Conv1x1", "NormParams", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
+
+#: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
+#: (:func:`norm_linear`): the ``norm`` argument of the mixer and the MLP.
+NormParams = Tuple[torch.Tensor, torch.Tensor, float]
 
 # torch.fx leaves (timm's tracer list and a plain torch.fx.symbolic_trace): the autograd functions and
 # their argument checks cannot run on Proxies. The GSPN-2 blocks do not call them while fx traces
@@ -48,23 +53,19 @@ def from_rows(rows: torch.Tensor, B: int, H: int, W: int) -> torch.Tensor:
 class Conv1x1(nn.Conv2d):
     """A 1x1 convolution computed as ``F.linear`` on the channels-last rows of its input.
 
-    ``(B, in, H, W) -> (B, out, H, W)`` (channels_last memory). Under TorchScript, and with
-    ``fast_path=False``, it runs the convolution itself.
+    ``(B, in, H, W) -> (B, out, H, W)`` with channels_last memory (a contiguous NCHW input is copied to
+    rows once). The parameters are ``nn.Conv2d``'s (``weight`` of shape ``(out, in, 1, 1)``, ``bias``).
 
     Args:
         in_channels: Input channels.
         out_channels: Output channels.
         bias: Learnable bias.
-        fast_path: ``False`` runs ``nn.Conv2d``'s convolution, the reference.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, bias: bool = True, fast_path: bool = True) -> None:
+    def __init__(self, in_channels: int, out_channels: int, bias: bool = True) -> None:
         super().__init__(in_channels, out_channels, 1, bias=bias)
-        self.fast_path = fast_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.jit.is_scripting() or not self.fast_path:
-            return self._conv_forward(x, self.weight, self.bias)
         B, _, H, W = x.shape
         # weight.flatten(1): (out, in), a view of the (out, in, 1, 1) parameter.
         return from_rows(F.linear(to_rows(x), self.weight.flatten(1), self.bias), B, H, W)
@@ -83,24 +84,18 @@ class ChunkedConv1x1(Conv1x1):
         out_channels: Output channels of all chunks together.
         out_chunks: Number of outputs to split the channels into (must divide ``out_channels``).
         bias: Learnable bias.
-        fast_path: ``False`` runs the convolution, then slices its output (the reference).
     """
 
-    def __init__(
-        self, in_channels: int, out_channels: int, out_chunks: int, bias: bool = True, fast_path: bool = True
-    ) -> None:
+    def __init__(self, in_channels: int, out_channels: int, out_chunks: int, bias: bool = True) -> None:
         if isinstance(out_chunks, bool) or not isinstance(out_chunks, int) or out_chunks < 1:
             raise ValueError(f"`out_chunks` must be a positive int, got {out_chunks!r}")
         if out_channels % out_chunks != 0:
             raise ValueError(f"`out_chunks` ({out_chunks}) must divide `out_channels` ({out_channels})")
-        super().__init__(in_channels, out_channels, bias=bias, fast_path=fast_path)
+        super().__init__(in_channels, out_channels, bias=bias)
         self.out_chunks = out_chunks
 
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:  # type: ignore[override]
         n = self.out_channels // self.out_chunks
-        if torch.jit.is_scripting() or not self.fast_path:
-            y = self._conv_forward(x, self.weight, self.bias)
-            return [y[:, i * n : (i + 1) * n] for i in range(self.out_chunks)]
         B, _, H, W = x.shape
         rows = to_rows(x)
         weight = self.weight.flatten(1)
@@ -136,6 +131,10 @@ class _GeluLinear(torch.autograd.Function):
         return grad_h, grad_w, grad_b
 
 
+# TorchScript cannot compile an autograd function: there these two are stubs that raise, which scripted
+# blocks never reach (gspn2.layers._trace). The stubs keep no defaults: scripted callers pass every
+# argument.
+@torch.jit.unused
 def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(F.gelu(h), weight, bias)`` that keeps only ``h`` for backward (not also ``gelu(h)``).
 
@@ -202,6 +201,7 @@ class _NormLinear(torch.autograd.Function):
         return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None
 
 
+@torch.jit.unused
 def norm_linear(
     x: torch.Tensor,
     norm_weight: Optional[torch.Tensor],
@@ -211,7 +211,7 @@ def norm_linear(
     bias: Optional[torch.Tensor],
     chunks: int = 1,
     gate: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, ...]:
+) -> List[torch.Tensor]:
     """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1)``, keeping only ``x``
     (with the norm's per-row statistics) and ``gate`` for backward.
 
@@ -228,7 +228,7 @@ def norm_linear(
         raise ValueError(f"`chunks` must be a positive int dividing {weight.shape[0]} outputs, got {chunks!r}")
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
-    return _NormLinear.apply(
+    outs = _NormLinear.apply(
         x,
         _cast(gate, dt),
         _cast(norm_weight, x.dtype),
@@ -238,6 +238,7 @@ def norm_linear(
         eps,
         chunks,
     )
+    return list(outs)
 
 
 for _fn in (gelu_linear, norm_linear):

@@ -25,12 +25,13 @@ channels, ``K = affinity_groups``::
     y     = Conv1x1(concat_d(h_d * u_d)) + D * v      # 4 directions merged in the image frame, back to E
     out   = Conv1x1(LayerNorm2d(y) * SiLU(z))         # back to C
 
-Speed (``fast_path=True``, the default; ``docs/models.md``, "Speed"): with channels_last memory every 1x1
-convolution is a GEMM on the contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the
-activation dtype under autocast, and two autograd functions recompute GELU and the SiLU gate in backward
-instead of saving them; the local perception units are one ``gspn2.ops.depthwise_conv2d`` each (the
-residual added in the kernel). ``fast_path=False`` computes the same function module by module: the
-reference of ``tests/models/test_fast_block.py``. Parameters and state dicts are identical.
+Speed (``docs/models.md``, "Speed"): with channels_last memory every 1x1 convolution is a GEMM on the
+contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the activation dtype under autocast,
+the local perception units are one ``gspn2.ops.depthwise_conv2d`` each (the residual added in the
+kernel), and in training autograd functions fuse each LayerNorm into the GEMM after it and GELU into
+``fc2``, recomputing the norms and activations in backward instead of saving them.
+``tests/models/_reference.py`` builds the same function from plain torch and timm modules, loading the
+same state dict: the oracle of the equivalence tests.
 """
 
 # No ``from __future__ import annotations``: torch.fx copies the forward's annotations into the code it
@@ -47,8 +48,17 @@ from timm.layers import DropPath, LayerScale2d, NormMlpClassifierHead, register_
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, named_apply, register_model
 from timm.models._features import feature_take_indices
 
-from gspn2.layers import ChunkedConv1x1, Conv1x1, LayerNorm2d, PointwiseMlp, from_rows, norm_linear, to_rows
-from gspn2.layers._trace import recording_graph
+from gspn2.layers import (
+    ChunkedConv1x1,
+    Conv1x1,
+    LayerNorm2d,
+    NormParams,
+    PointwiseMlp,
+    from_rows,
+    norm_linear,
+    to_rows,
+)
+from gspn2.layers._trace import fused_training
 from gspn2.ops import depthwise_conv2d, gspn_propagate
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
@@ -146,18 +156,16 @@ class LocalPerceptionUnit(nn.Module):
     Shapes: ``(B, C, H, W) -> (B, C, H, W)``.
     """
 
-    def __init__(self, dim: int, kernel_size: int = 3, fast_path: bool = True) -> None:
+    def __init__(self, dim: int, kernel_size: int = 3) -> None:
         super().__init__()
         _check_positive_int("dim", dim)
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"`kernel_size` must be a positive odd int, got {kernel_size!r}")
         self.conv = nn.Conv2d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
-        self.fast_path = fast_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_path and not torch.jit.is_scripting():  # one pass: the depthwise op adds the input
-            return depthwise_conv(x, self.conv.weight, self.conv.bias, add_input=True)
-        return x + self.conv(x)
+        # One pass: the depthwise op adds the input (``self.conv`` holds the parameters, it is not called).
+        return depthwise_conv(x, self.conv.weight, self.conv.bias, add_input=True)
 
 
 class GSPN2Mixer(nn.Module):
@@ -174,7 +182,6 @@ class GSPN2Mixer(nn.Module):
         mixer_ratio: Hidden width ``E = round(mixer_ratio * C)`` of the value and gate branches.
         dw_kernel_size: Kernel of the depthwise convolution on the value branch.
         chunk: ``None`` for a global scan over the whole image, an int for local scans of that length.
-        fast_path: ``False`` computes the module-by-module reference formulation (see ``forward``).
     """
 
     def __init__(
@@ -185,7 +192,6 @@ class GSPN2Mixer(nn.Module):
         mixer_ratio: float = 1.5,
         dw_kernel_size: int = 7,
         chunk: Optional[int] = None,
-        fast_path: bool = True,
     ) -> None:
         super().__init__()
         _check_positive_int("dim", dim)
@@ -213,84 +219,58 @@ class GSPN2Mixer(nn.Module):
             NUM_DIRECTIONS * 3 * affinity_groups,
         )
 
-        self.fast_path = fast_path
-
         # in_proj yields v and z from two GEMMs (one parameter, as the 1x1 conv it replaces).
-        self.in_proj = ChunkedConv1x1(dim, 2 * hidden, out_chunks=2, fast_path=fast_path)
+        self.in_proj = ChunkedConv1x1(dim, 2 * hidden, out_chunks=2)
         self.conv_dw = nn.Conv2d(hidden, hidden, dw_kernel_size, padding=dw_kernel_size // 2, groups=hidden)
         self.act = nn.SiLU()
-        self.generate = Conv1x1(hidden, sum(self.split_sizes), fast_path=fast_path)
-        self.proj_up = Conv1x1(NUM_DIRECTIONS * proxy_dim, hidden, fast_path=fast_path)
+        self.generate = Conv1x1(hidden, sum(self.split_sizes))
+        self.proj_up = Conv1x1(NUM_DIRECTIONS * proxy_dim, hidden)
         self.skip = nn.Parameter(torch.ones(hidden))
-        self.norm = LayerNorm2d(hidden, fast_path=fast_path)
-        self.out_proj = Conv1x1(hidden, dim, fast_path=fast_path)
+        self.norm = LayerNorm2d(hidden)
+        self.out_proj = Conv1x1(hidden, dim)
 
-    def forward(self, x: torch.Tensor, norm: Optional[Any] = None) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``; with ``norm`` (a :class:`~gspn2.layers.LayerNorm2d`), the mixer
-        of ``norm(x)``. ``norm`` is typed ``Any`` because TorchScript cannot type a module argument: a
-        scripted mixer computes the reference formulation and takes no ``norm`` (the scripted block
-        normalises first).
+    def forward(self, x: torch.Tensor, norm: Optional[NormParams] = None) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling ``in_proj``, ``norm`` and
+        ``out_proj`` as modules.
 
-        The fast path computes the reference's function with fewer kernels, casts and saved tensors:
-        1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of
-        its own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul``, the
-        LayerNorm stays in the activation dtype. In training the input norm and ``in_proj``, and the
-        output gate ``norm(y) * silu(z)`` and ``out_proj``, are each one :func:`~gspn2.layers.norm_linear`
-        that keeps only the norm's input (and the gate) for backward; ``norm``'s forward hooks then do not
-        run. While ``torch.fx`` or ``torch.jit.trace`` records the forward, the inference formulation is
-        recorded in both grad modes (see :mod:`gspn2.layers._trace`).
+        With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the mixer of the
+        normalised ``x`` in the training formulation: the norm and ``in_proj``, and the output gate
+        ``self.norm(y) * silu(z)`` and ``out_proj``, are each one :func:`~gspn2.layers.norm_linear`, which
+        keeps only the norm's input (and the gate) for backward; ``in_proj``, ``norm`` and ``out_proj``
+        are then not called (their forward hooks do not run). Not for ``torch.fx``, ``torch.jit.trace``
+        or TorchScript (:mod:`gspn2.layers._trace`).
+
+        Either way 1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes
+        out of its own GEMM already contiguous for the depthwise convolution, the skip is one
+        ``addcmul`` and the LayerNorm stays in the activation dtype.
         """
-        if torch.jit.is_scripting():
-            if norm is not None:
-                raise RuntimeError("GSPN2Mixer: a scripted mixer takes no `norm`; normalise before calling it")
-            return self._forward_reference(x)
-        if not self.fast_path:
-            return self._forward_reference(norm(x) if norm is not None else x)
         B, _, H, W = x.shape
-        P, K = self.proxy_dim, self.affinity_groups
-        training = torch.is_grad_enabled() and not recording_graph()
-        if norm is not None and training and norm.fast_path:
-            w, b = self.in_proj.weight.flatten(1), self.in_proj.bias
-            v, z = (from_rows(t, B, H, W) for t in norm_linear(to_rows(x), norm.weight, norm.bias, norm.eps, w, b, 2))
+        P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
+        if norm is None:
+            v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
         else:
-            v, z = self.in_proj(norm(x) if norm is not None else x)  # (B, E, H, W) each, channels_last memory
+            w, b = self.in_proj.weight.flatten(1), self.in_proj.bias
+            v, z = norm_linear(to_rows(x), norm[0], norm[1], norm[2], w, b, chunks=2, gate=None)
+            v, z = from_rows(v, B, H, W), from_rows(z, B, H, W)
         v = depthwise_conv(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
         # The op scans contiguous NCHW lines: copy the proxy-sized slices (P + 4P + 12K channels) once.
         # All three come from one GEMM, so they already share a dtype.
-        lam = torch.sigmoid(lam.unflatten(1, (NUM_DIRECTIONS, P)).contiguous())  # (B, 4, P, H, W)
-        gates = gates.unflatten(1, (NUM_DIRECTIONS, 3, K)).contiguous()  # (B, 4, 3, K, H, W)
+        lam = torch.sigmoid(lam.unflatten(1, (D, P)).contiguous())  # (B, 4, P, H, W)
+        gates = gates.unflatten(1, (D, 3, K)).contiguous()  # (B, 4, 3, K, H, W)
         h = propagate(xp.contiguous(), lam, gates, self.chunk)  # (B, 4, P, H, W)
         # u first: the product takes u's channels_last order, so the flatten is a view and proj_up's rows
         # are contiguous.
-        y = (u.unflatten(1, (NUM_DIRECTIONS, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
+        y = (u.unflatten(1, (D, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
         y = torch.addcmul(self.proj_up(y), v, self.skip.view(1, -1, 1, 1).to(v.dtype))
         # The scan's scale grows with the image: normalise before gating.
-        if training:
-            w, b = self.out_proj.weight.flatten(1), self.out_proj.bias
-            (out,) = norm_linear(to_rows(y), self.norm.weight, self.norm.bias, self.norm.eps, w, b, gate=to_rows(z))
-            return from_rows(out, B, H, W)
-        return self.out_proj(self.norm(y) * self.act(z))
-
-    def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The mixer written op by op: the spec the fast path is tested against."""
-        P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
-        v, z = self.in_proj(x)
-        v = self.act(self.conv_dw(v))
-        xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
-        lam = torch.sigmoid(lam).unflatten(1, (D, P))  # (B, 4, P, H, W)
-        gates = gates.unflatten(1, (D, 3, K))  # (B, 4, 3, K, H, W) raw logits
-        # The op needs one dtype for all three inputs (under autocast they may differ) and scans NCHW
-        # lines; these are the small proxy-sized tensors, so a contiguous copy (channels_last) is cheap.
-        dt = xp.dtype
-        h = propagate(
-            xp.contiguous(), lam.to(dt).contiguous(), gates.to(dt).contiguous(), self.chunk
-        )  # (B, 4, P, H, W)
-        y = (h * u.unflatten(1, (D, P))).flatten(1, 2)  # (B, 4P, H, W)
-        y = self.proj_up(y) + v * self.skip.view(1, -1, 1, 1).to(v.dtype)
-        # The scan sums along whole lines, so its scale grows with the image: normalise before gating.
-        y = self.norm(y) * self.act(z)
-        return self.out_proj(y)
+        if norm is None:
+            return self.out_proj(self.norm(y) * self.act(z))
+        w, b = self.out_proj.weight.flatten(1), self.out_proj.bias
+        (out,) = norm_linear(
+            to_rows(y), self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=to_rows(z)
+        )
+        return from_rows(out, B, H, W)
 
 
 class GSPN2Block(nn.Module):
@@ -344,17 +324,22 @@ class GSPN2Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``."""
-        if torch.jit.is_scripting():  # TorchScript cannot pass the norm modules as arguments
-            x = self.lpu1(x)
-            x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x))))
-            x = self.lpu2(x)
-            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        """``(B, C, H, W) -> (B, C, H, W)``.
+
+        In training the mixer and the MLP take ``norm1``'s and ``norm2``'s parameters and fuse each norm
+        into their first GEMM (their training formulation; the norms' forward hooks then do not run);
+        otherwise, and while a graph recorder runs (:mod:`gspn2.layers._trace`), every module is called.
+        """
         x = self.lpu1(x)
-        x = x + self.drop_path1(self.ls1(self.mixer(x, norm=self.norm1)))  # mixer(norm1(x)), norm fused
+        if fused_training():
+            norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
+            x = x + self.drop_path1(self.ls1(self.mixer(x, norm1)))
+            x = self.lpu2(x)
+            norm2 = (self.norm2.weight, self.norm2.bias, self.norm2.eps)
+            return x + self.drop_path2(self.ls2(self.mlp(x, norm2)))
+        x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x))))
         x = self.lpu2(x)
-        x = x + self.drop_path2(self.ls2(self.mlp(x, norm=self.norm2)))  # mlp(norm2(x))
-        return x
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
 class GSPN2Stage(nn.Module):
@@ -367,9 +352,7 @@ class GSPN2Stage(nn.Module):
         downsample: Halve the resolution with ``LayerNorm2d -> Conv2x2/2`` first; otherwise
             ``in_chs`` must equal ``out_chs``.
         drop_path_rates: One stochastic-depth rate per block.
-        chunk: ``None`` global, int local scan length for every block of the stage.
-        mlp_ratio, proxy_dim, affinity_groups, mixer_ratio, dw_kernel_size, lpu_kernel_size,
-        ls_init_value: see :class:`GSPN2Block`.
+        **block_kwargs: The other arguments of every :class:`GSPN2Block` (``chunk``, ``mlp_ratio``, ...).
     """
 
     def __init__(
@@ -379,14 +362,7 @@ class GSPN2Stage(nn.Module):
         depth: int,
         downsample: bool,
         drop_path_rates: Sequence[float],
-        chunk: Optional[int] = None,
-        mlp_ratio: float = 4.0,
-        proxy_dim: int = 2,
-        affinity_groups: int = 1,
-        mixer_ratio: float = 1.5,
-        dw_kernel_size: int = 7,
-        lpu_kernel_size: int = 3,
-        ls_init_value: Optional[float] = None,
+        **block_kwargs: Any,
     ) -> None:
         super().__init__()
         if len(drop_path_rates) != depth:
@@ -397,23 +373,7 @@ class GSPN2Stage(nn.Module):
             raise ValueError(f"`in_chs` ({in_chs}) must equal `out_chs` ({out_chs}) without downsampling")
         else:
             self.downsample = nn.Identity()
-        self.blocks = nn.Sequential(
-            *[
-                GSPN2Block(
-                    out_chs,
-                    mlp_ratio=mlp_ratio,
-                    proxy_dim=proxy_dim,
-                    affinity_groups=affinity_groups,
-                    mixer_ratio=mixer_ratio,
-                    dw_kernel_size=dw_kernel_size,
-                    lpu_kernel_size=lpu_kernel_size,
-                    chunk=chunk,
-                    ls_init_value=ls_init_value,
-                    drop_path=drop_path_rates[i],
-                )
-                for i in range(depth)
-            ]
-        )
+        self.blocks = nn.Sequential(*[GSPN2Block(out_chs, drop_path=r, **block_kwargs) for r in drop_path_rates])
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -444,10 +404,6 @@ class GSPN2(nn.Module):
         head_hidden_size: Optional pre-logits hidden layer of the head.
         drop_rate: Dropout before the classifier.
         drop_path_rate: Stochastic depth rate, increasing linearly over blocks up to this value.
-        fast_path: Compute every block with the fast formulation (GEMM 1x1 convolutions, LayerNorm in
-            the activation dtype, fewer saved activations; see ``docs/models.md``, "Speed"); ``False``
-            computes the same function module by module, the reference of the equivalence tests.
-            Parameters, state dicts and MAC counts are the same either way.
     """
 
     def __init__(
@@ -468,7 +424,6 @@ class GSPN2(nn.Module):
         head_hidden_size: Optional[int] = None,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
-        fast_path: bool = True,
     ) -> None:
         super().__init__()
         _check_positive_int("in_chans", in_chans)
@@ -506,6 +461,15 @@ class GSPN2(nn.Module):
         # every timm >= 1.0.15 that we support).
         # device="cpu": the schedule is plain numbers, also when the model is built under torch.device("meta").
         rates = torch.linspace(0, drop_path_rate, sum(depths), device="cpu")
+        block_kwargs = dict(
+            mlp_ratio=mlp_ratio,
+            proxy_dim=proxy_dim,
+            affinity_groups=affinity_groups,
+            mixer_ratio=mixer_ratio,
+            dw_kernel_size=dw_kernel_size,
+            lpu_kernel_size=lpu_kernel_size,
+            ls_init_value=ls_init_value,
+        )
         dp_rates = [r.tolist() for r in rates.split(list(depths))]
         stages = []
         self.feature_info: List[Dict[str, Union[int, str]]] = []
@@ -521,13 +485,7 @@ class GSPN2(nn.Module):
                     downsample=i > 0,
                     drop_path_rates=dp_rates[i],
                     chunk=stage_chunks[i],
-                    mlp_ratio=mlp_ratio,
-                    proxy_dim=proxy_dim,
-                    affinity_groups=affinity_groups,
-                    mixer_ratio=mixer_ratio,
-                    dw_kernel_size=dw_kernel_size,
-                    lpu_kernel_size=lpu_kernel_size,
-                    ls_init_value=ls_init_value,
+                    **block_kwargs,
                 )
             )
             prev_chs = dims[i]
@@ -546,7 +504,6 @@ class GSPN2(nn.Module):
         )
         self.head_hidden_size = self.head.num_features
         named_apply(_init_weights, self)
-        self.set_fast_path(fast_path)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Union[str, List]]:
@@ -567,16 +524,6 @@ class GSPN2(nn.Module):
         self.grad_checkpointing = enable
         for s in self.stages:
             s.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def set_fast_path(self, enable: bool = True) -> None:
-        """Switch every mixer, local perception unit, MLP, 1x1 convolution and LayerNorm between the fast path and the
-        module-by-module reference; both compute the same function with the same parameters."""
-        if not isinstance(enable, bool):
-            raise TypeError(f"`enable` must be a bool, got {enable!r}")
-        for m in self.modules():
-            if isinstance(m, (GSPN2Mixer, PointwiseMlp, Conv1x1, LayerNorm2d, LocalPerceptionUnit)):
-                m.fast_path = enable
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
@@ -686,6 +633,15 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
     return out
 
 
+#: Depths and widths of the registered members; every other argument takes GSPN2's default.
+_ARCHS: Dict[str, Dict[str, Tuple[int, ...]]] = {
+    "gspn2_micro": dict(depths=(1, 1, 2, 1), dims=(16, 32, 64, 128)),
+    "gspn2_tiny": dict(depths=(2, 3, 8, 2), dims=(80, 160, 320, 640)),
+    "gspn2_small": dict(depths=(2, 3, 21, 2), dims=(88, 176, 352, 704)),
+    "gspn2_base": dict(depths=(5, 5, 12, 5), dims=(112, 224, 448, 896)),
+}
+
+
 def _create_gspn2(variant: str, pretrained: bool = False, **kwargs) -> GSPN2:
     return build_model_with_cfg(
         GSPN2,
@@ -693,7 +649,7 @@ def _create_gspn2(variant: str, pretrained: bool = False, **kwargs) -> GSPN2:
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True),
-        **kwargs,
+        **dict(_ARCHS[variant], **kwargs),
     )
 
 
@@ -726,27 +682,19 @@ default_cfgs = generate_default_cfgs(
 
 @register_model
 def gspn2_micro(pretrained: bool = False, **kwargs) -> GSPN2:
-    model_args = dict(depths=(1, 1, 2, 1), dims=(16, 32, 64, 128))
-    model = _create_gspn2("gspn2_micro", pretrained=pretrained, **dict(model_args, **kwargs))
-    return model
+    return _create_gspn2("gspn2_micro", pretrained=pretrained, **kwargs)
 
 
 @register_model
 def gspn2_tiny(pretrained: bool = False, **kwargs) -> GSPN2:
-    model_args = dict(depths=(2, 3, 8, 2), dims=(80, 160, 320, 640))
-    model = _create_gspn2("gspn2_tiny", pretrained=pretrained, **dict(model_args, **kwargs))
-    return model
+    return _create_gspn2("gspn2_tiny", pretrained=pretrained, **kwargs)
 
 
 @register_model
 def gspn2_small(pretrained: bool = False, **kwargs) -> GSPN2:
-    model_args = dict(depths=(2, 3, 21, 2), dims=(88, 176, 352, 704))
-    model = _create_gspn2("gspn2_small", pretrained=pretrained, **dict(model_args, **kwargs))
-    return model
+    return _create_gspn2("gspn2_small", pretrained=pretrained, **kwargs)
 
 
 @register_model
 def gspn2_base(pretrained: bool = False, **kwargs) -> GSPN2:
-    model_args = dict(depths=(5, 5, 12, 5), dims=(112, 224, 448, 896))
-    model = _create_gspn2("gspn2_base", pretrained=pretrained, **dict(model_args, **kwargs))
-    return model
+    return _create_gspn2("gspn2_base", pretrained=pretrained, **kwargs)

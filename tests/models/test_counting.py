@@ -19,6 +19,7 @@ from gspn2.counting import (
 )
 from tests._helpers import REPO, load_module
 from tests.models._models import BIG_MODELS
+from tests.models._reference import reference
 
 # fvcore does not count elementwise ops and views (by design); anything else unsupported is a bug.
 ZERO_MAC_OPS = {
@@ -55,6 +56,18 @@ def test_count_micro_small_input():
     # MACs scale with batch size, params do not.
     c2 = count_model(model, input_size=(3, 32, 32), batch_size=2)
     assert c2.macs == 2 * c.macs and c2.params == c.params
+
+
+def test_count_equals_the_oracles():
+    """The GEMM 1x1 convolutions and the fused depthwise op count as the convolutions they stand for: the
+    model's MACs, per component too, are those of its module-by-module oracle (nn.Conv2d, timm's layers).
+    (The depthwise op takes the conv's weight, so fvcore books its MACs on the LPU or mixer calling it.)"""
+    model = timm.create_model("gspn2_micro", num_classes=10)
+    c, ref = count_model(model, (3, 64, 64)), count_model(reference(model), (3, 64, 64))
+    assert c.macs == ref.macs and c.params == ref.params
+    assert c.grouped() == ref.grouped()
+    assert c.by_operator["depthwise_conv2d"] > 0 and "depthwise_conv2d" not in ref.by_operator
+    assert c.by_operator["linear"] > ref.by_operator["linear"]  # the 1x1 convolutions (and the head, in both)
 
 
 def test_count_non_square():

@@ -1,5 +1,6 @@
-"""GPU checks of the model family: bf16 autocast + channels_last training steps, large and non-square
-inputs, and ``torch.compile(fullgraph=True)`` forward and backward. Skipped without a GPU."""
+"""GPU checks of the model family: the model against its module-by-module oracle (CUDA kernels: the
+depthwise op, cuBLAS GEMMs), bf16 autocast + channels_last training steps, large and non-square inputs, and
+``torch.compile(fullgraph=True)`` forward and backward. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -9,11 +10,37 @@ import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
 from tests.models._models import BIG_MODELS
+from tests.models._reference import assert_bf16_close, assert_same, reference, run
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
+
+
+@pytest.fixture
+def no_tf32():
+    """Full fp32 convs and matmuls, so compiled and eager agree to fp32 rounding."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("name,shape", [("gspn2_micro", (4, 3, 64, 48)), ("gspn2_tiny", (8, 3, 224, 224))])
+def test_model_matches_the_oracle(name, shape, no_tf32):
+    """channels_last, same weights: in fp32 (TF32 off) the logits, the input gradient and every parameter
+    gradient agree to 1e-4 of their largest magnitude, in eval and train mode; under bf16 autocast the
+    model's error against the fp32 oracle is at most 2x the oracle's own bf16 error + 1e-2."""
+    torch.manual_seed(0)
+    model = timm.create_model(name).cuda().to(memory_format=torch.channels_last)
+    ref = reference(model).to(memory_format=torch.channels_last)
+    x = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    x = x.to(memory_format=torch.channels_last)
+    for train in (False, True):
+        assert_same(run(model, x, train, bf16=False), run(ref, x, train, bf16=False), rtol=1e-4)
+    exact = run(ref, x, True, bf16=False)
+    assert_bf16_close(run(model, x, True, bf16=True), run(ref, x, True, bf16=True), exact)
 
 
 @pytest.mark.parametrize("name", BIG_MODELS)
@@ -35,15 +62,6 @@ def test_tiny_inference_sizes(size):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         out = model(torch.randn(1, 3, *size, device="cuda"))
     assert out.shape == (1, 1000) and torch.isfinite(out.float()).all()
-
-
-@pytest.fixture
-def no_tf32():
-    """Full fp32 convs and matmuls, so compiled and eager agree to fp32 rounding."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

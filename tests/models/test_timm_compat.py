@@ -24,20 +24,13 @@ from gspn2.models.gspn2 import check_input, checkpoint_filter_fn, min_input_size
 from gspn2.ops import gspn_propagate
 from gspn2.ops._flops import PROPAGATE_BACKWARD_MACS_PER_ELEMENT
 from gspn2.train.checkpoint import CHECKPOINT_FORMAT, load_checkpoint as load_train_checkpoint, save_checkpoint
+from tests.models._models import images, micro
+from tests.models._reference import reference
 
 # timm's own fx tests trace with these settings (tests/test_models.py, _create_fx_model).
 TIMM_TRACER_KWARGS = dict(
     leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(), param_shapes_constant=True
 )
-
-
-def _micro(**kwargs) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return timm.create_model("gspn2_micro", num_classes=10, **kwargs)
-
-
-def _images(B: int, H: int, W: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(B, 3, H, W, generator=torch.Generator().manual_seed(seed))
 
 
 def _fx_classifier(model: torch.nn.Module) -> torch.nn.Module:
@@ -55,9 +48,9 @@ def _fx_classifier(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def test_fx_graph_equals_eager_in_eval_and_trains_every_parameter():
-    model = _micro()
+    model = micro()
     fx = _fx_classifier(model)
-    x = _images(2, 40, 48)
+    x = images(2, 40, 48)
     model.eval()
     fx.eval()
     with torch.inference_mode():
@@ -79,7 +72,7 @@ def test_fx_graph_equals_eager_in_eval_and_trains_every_parameter():
 
 
 def test_fx_leaves_are_called_not_traced_through():
-    model = _micro().eval()
+    model = micro().eval()
     graph = NodePathTracer(**TIMM_TRACER_KWARGS).trace(model)
     called = {getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"}
     assert {"check_input", "propagate", "depthwise_conv", "layer_norm_last_dim"} <= called
@@ -88,9 +81,9 @@ def test_fx_leaves_are_called_not_traced_through():
 
 
 def test_plain_symbolic_trace_equals_eager():
-    model = _micro().eval()
+    model = micro().eval()
     traced = torch.fx.symbolic_trace(model)
-    x = _images(1, 33, 47)
+    x = images(1, 33, 47)
     with torch.no_grad():
         assert torch.equal(traced(x), model(x))
 
@@ -104,7 +97,7 @@ def test_features_only_fx_equals_intermediates():
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all(k.startswith("head.") for k in missing)  # the extractor has no head
     assert [f["module"] for f in fx.feature_info.get_dicts()] == [f"stages.{i}" for i in range(4)]
-    x = _images(1, 64, 64)
+    x = images(1, 64, 64)
     with torch.no_grad():
         got = fx(x)
         want = model.forward_intermediates(x, intermediates_only=True)
@@ -114,7 +107,7 @@ def test_features_only_fx_equals_intermediates():
 
 
 def test_fx_graph_checks_its_input_when_run():
-    fx = torch.fx.symbolic_trace(_micro().eval())
+    fx = torch.fx.symbolic_trace(micro().eval())
     with pytest.raises(ValueError, match="4-D"):
         fx(torch.randn(3, 32, 32))
     with pytest.raises(ValueError, match=">= 29"):
@@ -125,16 +118,15 @@ def test_fx_graph_checks_its_input_when_run():
 
 
 def test_torchscript_matches_eager_and_saves():
-    model = _micro().eval()
+    model = micro().eval()
     scripted = torch.jit.script(model)
-    x = _images(2, 33, 40)
+    x = images(2, 33, 40)
     with torch.no_grad():
         want = model(x)
         got = scripted(x)
-        model.set_fast_path(False)
-        reference = model(x)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)  # TorchScript runs the reference formulation
+        oracle = reference(model)(x)
+    assert torch.equal(got, want)  # the same formulation: the module calls of inference
+    torch.testing.assert_close(got, oracle, rtol=0, atol=1e-6)
     buf = io.BytesIO()
     torch.jit.save(scripted, buf)
     buf.seek(0)
@@ -145,17 +137,17 @@ def test_torchscript_matches_eager_and_saves():
 
 def test_torchscript_of_the_fx_graph_runs():
     """timm's test_model_forward_fx_torchscript: the leaves of the fx graph must be scriptable."""
-    model = _micro().eval()
+    model = micro().eval()
     scripted = torch.jit.script(_fx_classifier(model).eval())
-    x = _images(1, 32, 32)
+    x = images(1, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(next(iter(scripted(x).values())), model(x))
 
 
 def test_jit_trace_records_no_python_op_in_training():
     """Under torch.jit.trace (fvcore, timm's profiler) the autograd functions would be opaque PythonOps."""
-    model = _micro().train()
-    traced = torch.jit.trace(model, _images(1, 32, 32), check_trace=False)
+    model = micro().train()
+    traced = torch.jit.trace(model, images(1, 32, 32), check_trace=False)
     kinds = {n.kind() for n in traced.inlined_graph.nodes()}
     assert "prim::PythonOp" not in kinds
     assert "gspn2::propagate" in kinds
@@ -187,7 +179,7 @@ def test_model_exports_with_dynamic_batch_height_width():
     model = timm.create_model("gspn2_micro", depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=5).eval()
     auto = torch.export.Dim.AUTO
     with torch.no_grad():
-        ep = torch.export.export(model, (_images(2, 64, 64),), dynamic_shapes={"x": {0: auto, 2: auto, 3: auto}})
+        ep = torch.export.export(model, (images(2, 64, 64),), dynamic_shapes={"x": {0: auto, 2: auto, 3: auto}})
     x_shape = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x").meta["val"].shape
     assert all(isinstance(s, torch.SymInt) for s in (x_shape[0], x_shape[2], x_shape[3]))
     for shape in [(3, 3, 64, 64), (1, 3, 96, 72), (4, 3, 64, 80)]:
@@ -200,8 +192,8 @@ def test_model_exports_with_dynamic_batch_height_width():
 
 
 def _train_checkpoint(tmp_path, with_ema: bool = True):
-    model = _micro()
-    ema = _micro()
+    model = micro()
+    ema = micro()
     with torch.no_grad():
         for p in ema.parameters():
             p.add_(1.0)  # the EMA weights differ from the model's everywhere
@@ -228,7 +220,7 @@ def test_timm_loaders_get_the_ema_when_asked(tmp_path):
     path, model, ema = _train_checkpoint(tmp_path)
     # timm's validate.py: load_checkpoint(model, args.checkpoint, args.use_ema)
     for use_ema, expected in ((True, ema), (False, model)):
-        fresh = _micro()
+        fresh = micro()
         load_checkpoint(fresh, str(path), use_ema=use_ema)
         assert _same_weights(fresh, expected), f"use_ema={use_ema}"
     # A pretrained file: timm's load_state_dict defaults to the EMA, then our filter unwraps nothing more.
@@ -252,22 +244,22 @@ def test_ema_alias_is_stored_once(tmp_path):
 def test_without_ema_timm_falls_back_to_the_model_weights(tmp_path):
     path, model, _ = _train_checkpoint(tmp_path, with_ema=False)
     assert "state_dict_ema" not in torch.load(path, weights_only=True)
-    fresh = _micro()
+    fresh = micro()
     load_checkpoint(fresh, str(path), use_ema=True)
     assert _same_weights(fresh, model)
 
 
 def test_checkpoint_filter_fn_prefers_the_ema_of_a_whole_checkpoint():
-    model, ema = _micro(), _micro()
+    model, ema = micro(), micro()
     with torch.no_grad():
         for p in ema.parameters():
             p.mul_(2.0)
     # A checkpoint written before train.py saved the timm key: only `ema`.
     old = {"format": CHECKPOINT_FORMAT, "model": model.state_dict(), "ema": ema.state_dict()}
-    out = checkpoint_filter_fn(old, _micro())
+    out = checkpoint_filter_fn(old, micro())
     assert all(torch.equal(out[k], v) for k, v in ema.state_dict().items())
     no_ema = {"format": CHECKPOINT_FORMAT, "model": model.state_dict(), "ema": None}
-    out = checkpoint_filter_fn(no_ema, _micro())
+    out = checkpoint_filter_fn(no_ema, micro())
     assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())
 
 
@@ -299,7 +291,7 @@ def test_flop_formulas_of_the_custom_ops():
 def test_flop_counter_mode_agrees_with_gspn2_counting(grad):
     """FlopCounterMode counts two FLOPs per MAC and no norms or pooling; fvcore (gspn2.counting) counts
     those too. Everything else agrees exactly, in inference and on the training path."""
-    model = _micro().eval()
+    model = micro().eval()
     c = count_model(model, (3, 64, 64))
     with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as counter:
         model(torch.ones(1, 3, 64, 64))
@@ -314,7 +306,7 @@ def test_fvcore_as_timm_benchmark_uses_it_counts_everything(train):
     """timm's benchmark.py: FlopCountAnalysis with its default handles, grad enabled."""
     from fvcore.nn import FlopCountAnalysis
 
-    model = _micro()
+    model = micro()
     expected = count_model(model, (3, 64, 64)).macs
     model.train(train)
     analysis = FlopCountAnalysis(model, torch.ones(1, 3, 64, 64))
@@ -338,7 +330,7 @@ def test_fvcore_as_timm_benchmark_uses_it_counts_everything(train):
     ],
 )
 def test_bad_input_is_a_clear_error(shape, error, match):
-    model = _micro().eval()
+    model = micro().eval()
     with pytest.raises(error, match=match):
         model(torch.randn(shape))
     with pytest.raises(error, match=match):
@@ -348,7 +340,7 @@ def test_bad_input_is_a_clear_error(shape, error, match):
 def test_smallest_input_runs_and_minimum_follows_the_stages():
     assert min_input_size(4) == 29
     assert [min_input_size(n) for n in (1, 2, 3)] == [1, 5, 13]
-    model = _micro().eval()
+    model = micro().eval()
     with torch.no_grad():
         assert model(torch.randn(1, 3, 29, 29)).shape == (1, 10)
         # Fewer stages need less: forward_intermediates(stop_early) checks against what it runs.
@@ -368,6 +360,6 @@ def test_input_check_under_compile_fullgraph_dynamic():
 
 
 def test_scripted_model_checks_its_input():
-    scripted = torch.jit.script(_micro().eval())
+    scripted = torch.jit.script(micro().eval())
     with pytest.raises(torch.jit.Error, match="batch size 0"):
         scripted(torch.randn(0, 3, 32, 32))

@@ -10,7 +10,7 @@ from tests.scripts._load import script_module
 
 
 @pytest.mark.parametrize(
-    "script,models", [("bench_models", "gspn2_tiny"), ("bench_fast_path", "gspn2_tiny"), ("bench_step", "gspn2_micro")]
+    "script,models", [("bench_models", "gspn2_tiny"), ("bench_step", "gspn2_micro")]
 )
 def test_refuses_to_run_without_a_gpu(script, models, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
