@@ -390,7 +390,7 @@ def reduction_factor(crop_h: int, crop_w: int, out_h: int, out_w: int) -> int:
 class ReducedDecodeRandomResizedCrop:
     """timm's ``RandomResizedCropAndInterpolation`` that decodes only as many pixels as the crop needs.
 
-    Called with a file path. The crop box is drawn on the original size by timm's own
+    Called with a file path (or an image already decoded, then cropped like timm). The crop box is drawn on the original size by timm's own
     ``RandomResizedCropAndInterpolation.get_params`` (the JPEG header gives the size without decoding),
     so the crop distribution and the random stream are timm's. Then, where
     :func:`reduction_factor` allows, Pillow's ``Image.draft`` decodes the JPEG at 1/2, 1/4 or 1/8 size
@@ -409,8 +409,16 @@ class ReducedDecodeRandomResizedCrop:
             self.interpolation = _pil_mode(interpolation)
         self.last = None  # (factor, (i, j, h, w)) of the latest call, for tests and benchmarks
 
-    def __call__(self, path: str) -> Image.Image:
+    def __call__(self, path: str | Image.Image) -> Image.Image:
         out_h, out_w = self.size
+        if isinstance(path, Image.Image):  # already decoded (a caller other than CheckedImageFolder)
+            img = path.convert("RGB")
+            i, j, h, w = RandomResizedCropAndInterpolation.get_params(img, self.scale, self.ratio)
+            interpolation = self.interpolation
+            if isinstance(interpolation, (tuple, list)):
+                interpolation = random.choice(interpolation)
+            self.last = (1, (i, j, h, w))
+            return img.resize((out_w, out_h), resample=interpolation, box=(j, i, j + w, i + h))
         try:
             with open(path, "rb") as f:
                 img = Image.open(f)
