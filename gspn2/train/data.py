@@ -12,7 +12,6 @@ readable image of the folder (batches keep their size), a validation sample is d
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import shutil
@@ -390,7 +389,8 @@ def reduction_factor(crop_h: int, crop_w: int, out_h: int, out_w: int) -> int:
 class ReducedDecodeRandomResizedCrop:
     """timm's ``RandomResizedCropAndInterpolation`` that decodes only as many pixels as the crop needs.
 
-    Called with a file path (or an image already decoded, then cropped like timm). The crop box is drawn on the original size by timm's own
+    Called with a file path (or an image already decoded, then cropped like timm). The crop box is
+    drawn on the original size by timm's own
     ``RandomResizedCropAndInterpolation.get_params`` (the JPEG header gives the size without decoding),
     so the crop distribution and the random stream are timm's. Then, where
     :func:`reduction_factor` allows, Pillow's ``Image.draft`` decodes the JPEG at 1/2, 1/4 or 1/8 size
@@ -624,7 +624,9 @@ def build_train_loader(
     sampler = ShardedBatchSampler(
         len(dataset), batch_size, world_size, rank, seed, repeats=repeats, with_seeds=True
     )
-    workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor) if num_workers else {}
+    workers = {}
+    if num_workers:  # DataLoader refuses both options without worker processes
+        workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
     return DataLoader(
         SeededSamples(dataset),
         batch_size=batch_size,

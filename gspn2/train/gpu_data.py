@@ -129,7 +129,9 @@ def recipe_of(data, aug) -> Recipe:
                                           op.magnitude_max, op.hparams))
                 resample = op.kwargs["resample"]
                 if isinstance(resample, (tuple, list)) or resample not in _PIL_INTERPOLATIONS:
-                    raise ValueError(f"data.pipeline=gpu: RandAugment interpolation {resample!r} not implemented")
+                    raise ValueError(
+                        f"data.pipeline=gpu: RandAugment interpolation {resample!r} is not implemented"
+                    )
                 out["ra_interpolation"] = _PIL_INTERPOLATIONS[resample]
                 out["ra_fill"] = tuple(int(v) for v in op.kwargs["fillcolor"])
         elif isinstance(t, tvt.ColorJitter):
@@ -186,7 +188,9 @@ class RecipeSampler:
         ra_op = [-1] * r.ra_layers
         ra_arg = [0.0] * r.ra_layers
         if r.ra_layers:
-            chosen = np.random.choice(len(r.ra_ops), r.ra_layers, replace=r.ra_weights is None, p=r.ra_weights)
+            chosen = np.random.choice(
+                len(r.ra_ops), r.ra_layers, replace=r.ra_weights is None, p=r.ra_weights
+            )
             for layer, k in enumerate(chosen.tolist()):
                 op = r.ra_ops[k]
                 if op.prob < 1.0 and random.random() > op.prob:
@@ -660,10 +664,8 @@ def build_gpu_train_loader(dataset: Dataset, data, aug, batch_size: int, device,
         raw, batch_size, world_size, rank, seed, num_workers, pin_memory, repeats=repeats,
         persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, collate_fn=collate_raw,
     )
-    paths = {path: i for i, (path, _) in enumerate(base.samples)} if base.bad_images == "skip" else {}
-
-    def on_skip(path):
-        base.skipped[paths[path]] = True
+    def on_skip(path):  # rare: a search over the file list beats holding a path -> index map for ImageNet
+        base.skipped[next(i for i, (p, _) in enumerate(base.samples) if p == path)] = True
 
     return GpuTrainLoader(loader, GpuAugment(recipe, device, base.bad_images, on_skip))
 

@@ -88,7 +88,8 @@ def test_reduced_decode_draws_timms_crop_boxes_and_stays_close_to_the_full_decod
         # the same box on the full decode shrunk by `factor` first: what the reduced decode approximates
         small = full.reduce(factor)
         sx, sy = small.width / full.width, small.height / full.height
-        two_step = small.resize((64, 64), Image.Resampling.BICUBIC, box=(j * sx, i * sy, (j + w) * sx, (i + h) * sy))
+        box = (j * sx, i * sy, (j + w) * sx, (i + h) * sy)
+        two_step = small.resize((64, 64), Image.Resampling.BICUBIC, box=box)
         to_two_step.append(np.abs(out - np.asarray(two_step, dtype=np.float64)).mean())
     assert {1, 2, 4} <= set(factors), factors
     # the DCT-domain shrink is a box-like prefilter: within a level of shrinking the decoded image, and
@@ -106,7 +107,8 @@ def test_reduced_decode_is_what_the_training_transform_uses(jpeg_root):
     image, label = dataset[0]
     assert image.shape == (3, 64, 64) and label == 0
     d.reduced_decode = False
-    assert isinstance(build_transform(d, a, is_training=True).transforms[0], RandomResizedCropAndInterpolation)
+    first = build_transform(d, a, is_training=True).transforms[0]
+    assert isinstance(first, RandomResizedCropAndInterpolation)
 
 
 def test_fused_tensor_conversion_matches_to_tensor_and_normalize(jpeg_root):
@@ -121,7 +123,8 @@ def test_fused_tensor_conversion_matches_to_tensor_and_normalize(jpeg_root):
 def test_posterize_keeps_zero_bits_as_black():
     img = Image.fromarray((np.arange(256 * 3).reshape(16, 16, 3) * 7 % 256).astype(np.uint8))
     for bits in range(1, 9):
-        assert np.array_equal(np.asarray(posterize_any_bits(img, bits)), np.asarray(ImageOps.posterize(img, bits)))
+        ours, pils = posterize_any_bits(img, bits), ImageOps.posterize(img, bits)
+        assert np.array_equal(np.asarray(ours), np.asarray(pils))
     assert not np.asarray(posterize_any_bits(img, 0)).any()
     with pytest.raises(ValueError, match="bits_to_keep"):
         posterize_any_bits(img, 9)
@@ -153,7 +156,8 @@ def test_loader_is_deterministic_per_epoch_for_any_worker_count(jpeg_root):
     # num_workers=0 augments in this process: the trainer's own random streams are left as they were
     assert random.getstate() == state[0] and np.array_equal(np.random.get_state()[1], state[1])
     assert torch.equal(torch.get_rng_state(), state[2])
-    persistent = build_train_loader(dataset, 4, 1, 0, seed=5, num_workers=2, pin_memory=False, prefetch_factor=2)
+    persistent = build_train_loader(dataset, 4, 1, 0, seed=5, num_workers=2, pin_memory=False,
+                                    prefetch_factor=2)
     assert persistent.persistent_workers and persistent.prefetch_factor == 2
     in_workers = _batches(persistent, [0, 1])
     for epoch in range(2):
@@ -195,9 +199,8 @@ def test_loader_keys_compose_and_are_checked():
     assert cfg.data.num_workers is None and cfg.data.pipeline == "cpu" and cfg.data.reduced_decode
     assert cfg.data.persistent_workers and cfg.data.prefetch_factor == 4
     check_train_config(cfg, check_paths=False)
-    with pytest.raises(ConfigError, match="data.pipeline must be one of cpu | gpu"):
-        check_train_config(compose_cfg(["experiment=in1k_gspn2_tiny", "data.root=/x", "data.pipeline=dali"]),
-                           check_paths=False)
+    imagenet = ["experiment=in1k_gspn2_tiny", "data.root=/x"]
+    with pytest.raises(ConfigError, match=r"data.pipeline must be one of cpu \| gpu; got 'dali'"):
+        check_train_config(compose_cfg([*imagenet, "data.pipeline=dali"]), check_paths=False)
     with pytest.raises(ConfigError, match="data.prefetch_factor must be >= 1"):
-        check_train_config(compose_cfg(["experiment=in1k_gspn2_tiny", "data.root=/x", "data.prefetch_factor=0"]),
-                           check_paths=False)
+        check_train_config(compose_cfg([*imagenet, "data.prefetch_factor=0"]), check_paths=False)

@@ -51,7 +51,8 @@ def jpeg_root(tmp_path_factory):
 
 
 def _cfg(root="/unused", img_size=48, **aug):
-    d = OmegaConf.structured(DataConfig(root=str(root), num_classes=2, img_size=img_size, reduced_decode=False))
+    d = DataConfig(root=str(root), num_classes=2, img_size=img_size, reduced_decode=False)
+    d = OmegaConf.structured(d)
     a = OmegaConf.structured(AugConfig(**aug))
     return d, a
 
@@ -224,7 +225,8 @@ def _t(img):
 
 _ARGS = {
     "Rotate": (27.0, -13.0), "ShearX": (0.27, -0.1), "ShearY": (0.2, -0.27), "TranslateXRel": (0.4, -0.2),
-    "TranslateYRel": (0.1, -0.4), "Posterize": (0, 1, 4, 8), "Solarize": (0, 100, 256), "SolarizeAdd": (0, 99),
+    "TranslateYRel": (0.1, -0.4), "Posterize": (0, 1, 4, 8), "Solarize": (0, 100, 256),
+    "SolarizeAdd": (0, 99),
     "Color": (0.1, 1.9), "Contrast": (0.1, 1.9), "Brightness": (0.1, 1.9), "Sharpness": (0.1, 1.9),
 }  # fmt: skip
 
@@ -291,7 +293,8 @@ def test_gpu_pipeline_on_cpu_tensors_reproduces_the_cpu_pipeline(jpeg_root):
         gpu.sampler.set_epoch(epoch)
         raws = list(gpu.loader)  # the raw batches, to read the erasing boxes
         for (xc, yc), (xg, yg), raw in zip(cpu, gpu, raws):
-            assert torch.equal(yc, yg) and xg.shape == xc.shape == (4, 3, 48, 48) and xg.dtype == torch.float32
+            assert torch.equal(yc, yg) and xg.shape == xc.shape == (4, 3, 48, 48)
+            assert xg.dtype == torch.float32
             keep = ~erase_mask(raw[2]["erase"], 48, 48).expand_as(xg)
             diffs.append((xc - xg).abs()[keep].mean().item())
     # normalised units (1 level of 0..255 is ~0.017): on average under half a level apart
@@ -327,7 +330,8 @@ def test_unreadable_images_are_skipped_and_counted(jpeg_root, tmp_path):
     files[2].unlink()
     data, aug = _cfg(img_size=32)
     dataset = build_dataset(root, "train", build_transform(data, aug, is_training=True))
-    loader = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=0, num_workers=0, pin_memory=False)
+    loader = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=0, num_workers=0,
+                                    pin_memory=False)
     loader.sampler.set_epoch(0)
     batches = list(loader)
     assert [x.shape[0] for x, _ in batches] == [4, 4] and all(torch.isfinite(x).all() for x, _ in batches)
