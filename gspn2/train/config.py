@@ -52,6 +52,7 @@ class DataConfig:
     prefetch_factor: int = 4  # batches in flight per training loader worker
     pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (nvJPEG + GPU augmentation)
     reduced_decode: bool = True  # cpu pipeline: decode JPEGs at 1/2, 1/4, 1/8 size when the crop allows
+    gpu_prefetch: int = 2  # gpu pipeline: batches a background thread decodes + augments ahead (0: inline)
     train_subset: Optional[int] = None  # use a fixed random subset of this many training images
     val_subset: Optional[int] = None
     # an unreadable image: "skip" leaves it out and counts it (logged per epoch, in results.json),
@@ -268,7 +269,7 @@ TRAIN_POSITIVE = (
 TRAIN_NON_NEGATIVE = (
     "data.num_workers", "sched.warmup_epochs", "sched.cooldown_epochs", "ema.mesa_start_epoch",
     "trainer.checkpoint_hist", "optim.weight_decay", "sched.warmup_lr", "sched.min_lr", "ema.mesa_weight",
-    "aug.mixup", "aug.cutmix",
+    "aug.mixup", "aug.cutmix", "data.gpu_prefetch",
 )  # fmt: skip
 #: Probabilities and fractions: ``key -> (low, high, high_inclusive)``, low always inclusive.
 TRAIN_RANGES: dict[str, tuple[float, float, bool]] = {

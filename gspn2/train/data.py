@@ -657,7 +657,8 @@ def train_loader_from_config(dataset: Dataset, cfg, device: torch.device, world_
     if pipeline == "gpu":
         from gspn2.train.gpu_data import build_gpu_train_loader
 
-        return build_gpu_train_loader(dataset, data, cfg.aug, data.batch_size, device=device, **common)
+        return build_gpu_train_loader(dataset, data, cfg.aug, data.batch_size, device=device,
+                                      ahead=getattr(data, "gpu_prefetch", 0), **common)
     raise ValueError(f"data.pipeline must be 'cpu' or 'gpu', got {pipeline!r}")
 
 

@@ -17,10 +17,13 @@ so the tests run them on CPU tensors against PIL.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
+import queue
 import random
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -620,11 +623,19 @@ class GpuTrainLoader:
     """The training loader of the GPU path: iterating yields ``(images, targets)`` already on the device.
 
     Keeps the DataLoader interface the trainer uses: ``len()`` (batches per epoch), ``.sampler``
-    (``set_epoch``), ``.generator`` and ``.dataset``."""
+    (``set_epoch``), ``.generator`` and ``.dataset``.
 
-    def __init__(self, loader: DataLoader, augment: GpuAugment):
+    With ``ahead > 0`` a background thread decodes and augments up to ``ahead`` batches ahead of the
+    consumer, on its own CUDA stream (on a CUDA device), so that work overlaps the training step; the
+    consumer's stream waits for each batch's work before using it. The batches are the same either way.
+    """
+
+    def __init__(self, loader: DataLoader, augment: GpuAugment, ahead: int = 0):
+        if ahead < 0:
+            raise ValueError(f"data.gpu_prefetch must be >= 0, got {ahead!r}")
         self.loader = loader
         self.augment = augment
+        self.ahead = ahead
 
     @property
     def sampler(self):
@@ -646,15 +657,79 @@ class GpuTrainLoader:
         return len(self.loader)
 
     def __iter__(self):
-        for batch in self.loader:
-            yield self.augment(batch)
+        if self.ahead == 0:
+            for batch in self.loader:
+                yield self.augment(batch)
+            return
+        yield from _Ahead(self.loader, self.augment, self.ahead)
+
+
+class _Ahead:
+    """One epoch of :class:`GpuTrainLoader` prepared by a background thread (see there)."""
+
+    _END = object()
+
+    def __init__(self, loader, augment: GpuAugment, ahead: int):
+        device = augment.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(loader, augment), daemon=True,
+                                       name="gpu-data-ahead")
+        self.thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, loader, augment):
+        try:
+            ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+            with ctx:
+                for batch in loader:
+                    x, y = augment(batch)
+                    event = None
+                    if self.stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                    if not self._put((x, y, event)):
+                        return
+            self._put(self._END)
+        except BaseException as e:  # handed to the consumer, which raises it in the training loop
+            self._put(e)
+
+    def __iter__(self):
+        try:
+            while True:
+                item = self.queue.get()
+                if item is self._END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                x, y, event = item
+                if event is not None:
+                    current = torch.cuda.current_stream(x.device)
+                    current.wait_event(event)
+                    x.record_stream(current)  # allocated on the side stream, used on this one
+                    y.record_stream(current)
+                yield x, y
+        finally:  # an epoch left early (a step limit, an error) stops the thread
+            self.stop.set()
+            self.thread.join()
 
 
 def build_gpu_train_loader(dataset: Dataset, data, aug, batch_size: int, device, world_size: int, rank: int,
                            seed: int, num_workers: int, pin_memory: bool, repeats: int = 1,
-                           persistent_workers: bool = True, prefetch_factor: int = 4) -> GpuTrainLoader:
+                           persistent_workers: bool = True, prefetch_factor: int = 4,
+                           ahead: int = 0) -> GpuTrainLoader:
     """The GPU-path loader over ``dataset`` (from :func:`~gspn2.train.data.build_dataset`): same order,
-    same per-sample seeds as :func:`~gspn2.train.data.build_train_loader`."""
+    same per-sample seeds as :func:`~gspn2.train.data.build_train_loader`; ``ahead``: batches a
+    background thread prepares in advance (``data.gpu_prefetch``)."""
     recipe = recipe_of(data, aug)
     raw = raw_dataset(dataset, RecipeSampler(recipe))
     base = raw
@@ -664,8 +739,8 @@ def build_gpu_train_loader(dataset: Dataset, data, aug, batch_size: int, device,
         raw, batch_size, world_size, rank, seed, num_workers, pin_memory, repeats=repeats,
         persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, collate_fn=collate_raw,
     )
+
     def on_skip(path):  # rare: a search over the file list beats holding a path -> index map for ImageNet
         base.skipped[next(i for i, (p, _) in enumerate(base.samples) if p == path)] = True
 
-    return GpuTrainLoader(loader, GpuAugment(recipe, device, base.bad_images, on_skip))
-
+    return GpuTrainLoader(loader, GpuAugment(recipe, device, base.bad_images, on_skip), ahead=ahead)

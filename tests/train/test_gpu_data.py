@@ -8,6 +8,7 @@ import collections
 import math
 import random
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -316,6 +317,30 @@ def test_gpu_loader_is_deterministic_and_keeps_the_trainer_interface(jpeg_root):
     a0, a1, b0 = epoch(a, 0), epoch(a, 1), epoch(b, 0)
     assert all(torch.equal(x, y) for x, y in zip(a0, b0))  # worker count does not change the images
     assert not torch.equal(a0[0], a1[0])
+
+
+def test_batches_prepared_ahead_by_a_thread_are_the_same(jpeg_root):
+    data, aug = _cfg(img_size=32)
+    dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
+    args = (dataset, data, aug, 2, "cpu", 1, 0)
+    inline = build_gpu_train_loader(*args, seed=4, num_workers=0, pin_memory=False)
+    ahead = build_gpu_train_loader(*args, seed=4, num_workers=0, pin_memory=False, ahead=2)
+    for loader in (inline, ahead):
+        loader.sampler.set_epoch(3)
+    pairs = list(zip(inline, ahead))
+    assert len(pairs) == 4 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in pairs)
+    # an epoch left early stops its thread; the next epoch starts from the beginning
+    it = iter(ahead)
+    next(it)
+    it.close()
+    assert not any(t.name == "gpu-data-ahead" and t.is_alive() for t in threading.enumerate())
+    assert torch.equal(next(iter(ahead))[0], pairs[0][1][0])
+    # an error in the thread reaches the consumer
+    ahead.augment.r = None
+    with pytest.raises(AttributeError):
+        next(iter(ahead))
+    with pytest.raises(ValueError, match="data.gpu_prefetch"):
+        GpuTrainLoader(ahead.loader, ahead.augment, ahead=-1)
 
 
 def test_unreadable_images_are_skipped_and_counted(jpeg_root, tmp_path):

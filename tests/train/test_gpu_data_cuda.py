@@ -64,3 +64,21 @@ def test_cuda_batches_match_the_cpu_tensor_run(jpeg_root):
     first = next(iter(on_gpu))[0]
     on_gpu.sampler.set_epoch(0)
     assert torch.equal(first, next(iter(on_gpu))[0])
+
+
+def test_batches_prepared_ahead_on_a_side_stream_are_the_inline_ones(jpeg_root):
+    data = OmegaConf.structured(DataConfig(root=str(jpeg_root), num_classes=2, img_size=224))
+    aug = OmegaConf.structured(AugConfig())
+    dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
+    args = (dataset, data, aug, 8, "cuda", 1, 0)
+    inline = build_gpu_train_loader(*args, seed=1, num_workers=2, pin_memory=True, ahead=0)
+    ahead = build_gpu_train_loader(*args, seed=1, num_workers=2, pin_memory=True, ahead=2)
+    for epoch in (0, 1):
+        inline.sampler.set_epoch(epoch)
+        ahead.sampler.set_epoch(epoch)
+        n = 0
+        for (xa, ya), (xb, yb) in zip(inline, ahead):
+            # work queued on the consumer's stream right away sees the finished batch
+            assert torch.equal(xa, xb.clone()) and torch.equal(ya, yb)
+            n += 1
+        assert n == len(inline) == 4
