@@ -50,7 +50,7 @@ class DataConfig:
     pin_memory: bool = True
     persistent_workers: bool = True  # training loader workers live across epochs
     prefetch_factor: int = 4  # batches in flight per training loader worker
-    pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (nvJPEG + GPU augmentation)
+    pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (nvJPEG, GPU augmentation)
     reduced_decode: bool = True  # cpu pipeline: decode JPEGs at 1/2, 1/4, 1/8 size when the crop allows
     gpu_prefetch: int = 2  # gpu pipeline: batches a background thread decodes + augments ahead (0: inline)
     train_subset: Optional[int] = None  # use a fixed random subset of this many training images
