@@ -49,7 +49,7 @@ class DataConfig:
     num_workers: Optional[int] = None  # loader processes per trainer process; null: the CPUs per process
     pin_memory: bool = True
     persistent_workers: bool = True  # training loader workers live across epochs
-    prefetch_factor: int = 4  # batches in flight per training loader worker
+    prefetch_factor: int = 2  # batches in flight per training loader worker (each in shared memory)
     pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (nvJPEG, GPU augmentation)
     reduced_decode: bool = True  # cpu pipeline: decode JPEGs at 1/2, 1/4, 1/8 size when the crop allows
     gpu_prefetch: int = 2  # gpu pipeline: batches a background thread decodes + augments ahead (0: inline)

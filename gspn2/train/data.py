@@ -613,7 +613,7 @@ def build_train_loader(
     pin_memory: bool,
     repeats: int = 1,
     persistent_workers: bool = True,
-    prefetch_factor: int = 4,
+    prefetch_factor: int = 2,
     collate_fn=None,
 ) -> DataLoader:
     """The training DataLoader: :class:`ShardedBatchSampler` order, each sample augmented under its own
@@ -650,7 +650,7 @@ def train_loader_from_config(dataset: Dataset, cfg, device: torch.device, world_
     common = dict(
         world_size=world_size, rank=rank, seed=cfg.seed, num_workers=num_workers, pin_memory=pin_memory,
         repeats=cfg.aug.repeats, persistent_workers=getattr(data, "persistent_workers", True),
-        prefetch_factor=getattr(data, "prefetch_factor", 4),
+        prefetch_factor=getattr(data, "prefetch_factor", 2),
     )
     if pipeline == "cpu":
         return build_train_loader(dataset, data.batch_size, **common)

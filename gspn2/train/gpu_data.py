@@ -725,7 +725,7 @@ class _Ahead:
 
 def build_gpu_train_loader(dataset: Dataset, data, aug, batch_size: int, device, world_size: int, rank: int,
                            seed: int, num_workers: int, pin_memory: bool, repeats: int = 1,
-                           persistent_workers: bool = True, prefetch_factor: int = 4,
+                           persistent_workers: bool = True, prefetch_factor: int = 2,
                            ahead: int = 0) -> GpuTrainLoader:
     """The GPU-path loader over ``dataset`` (from :func:`~gspn2.train.data.build_dataset`): same order,
     same per-sample seeds as :func:`~gspn2.train.data.build_train_loader`; ``ahead``: batches a
