@@ -73,13 +73,14 @@ from gspn2.train.data import (
     ImageError,
     build_dataset,
     build_eval_loader,
-    build_train_loader,
     build_transform,
     check_classes,
     check_image_folder,
     reset_skipped,
+    resolve_num_workers,
     skipped_images,
     steps_per_epoch,
+    train_loader_from_config,
     verify_images,
     write_digits,
 )
@@ -215,7 +216,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
             write_digits(root)
         barrier(info)
     check_image_folder(root, [cfg.data.train_split, cfg.data.val_split])
-    note = worker_count_note(cfg.data.num_workers)
+    num_workers = resolve_num_workers(cfg.data.num_workers)
+    note = worker_count_note(num_workers)
     if note:
         log(note)
     train_tf = build_transform(cfg.data, cfg.aug, is_training=True)
@@ -242,12 +244,10 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
     loader_args = dict(
         world_size=info.world_size,
         rank=info.rank,
-        num_workers=cfg.data.num_workers,
+        num_workers=num_workers,
         pin_memory=cfg.data.pin_memory and device.type == "cuda",  # pinning serves host-to-GPU copies only
     )
-    train_loader = build_train_loader(
-        train_set, cfg.data.batch_size, seed=cfg.seed, repeats=cfg.aug.repeats, **loader_args
-    )
+    train_loader = train_loader_from_config(train_set, cfg, device, **loader_args)
     val_loader = build_eval_loader(val_set, cfg.data.eval_batch_size, **loader_args)
     updates_per_epoch = steps_per_epoch(train_loader, accum, cfg.trainer.limit_train_steps)
 

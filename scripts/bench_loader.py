@@ -2,25 +2,30 @@
 
 The experiment's configuration is composed by Hydra from ``configs/`` (``experiment=<name>`` plus any
 overrides), then the loader comes from the trainer's own functions (``build_transform``,
-``build_dataset``, ``build_train_loader``), is seeded per epoch like the trainer's loop, and its batches
-are copied to the device the trainer would use. No model runs: the figure is the rate at which the loader
-can feed a training step.
+``build_dataset``, ``train_loader_from_config``), is seeded per epoch like the trainer's loop, and its
+batches are copied to the device the trainer would use. No model runs: the figure is the rate at which
+the loader can feed a training step. ``--pipeline cpu gpu`` measures both input paths
+(``data.pipeline``): timm's transforms in the workers, or workers reading bytes and the GPU decoding and
+augmenting (its images are on the device when the loader yields them; the GPU's work is waited for).
 
     python scripts/make_image_folder.py data/fake_in1k --classes 100 --train-per-class 300
     python scripts/bench_loader.py data/fake_in1k                                # the experiment's workers
-    python scripts/bench_loader.py data/fake_in1k --workers 4 8 12 16 --json runs/loader.json
+    python scripts/bench_loader.py data/fake_in1k --pipeline cpu gpu --workers 4 8 16 --json runs/loader.json
     python scripts/bench_loader.py data/fake_in1k data.batch_size=64 --experiment in1k_gspn2_small
 
-Per worker count: the time to the first batch (worker start-up), then ``--warmup`` batches untimed
-(by default two per worker and two more: every worker has delivered before the clock starts), then img/s
-over ``--batches`` batches. An epoch that ends inside the run is followed by the next one, as
-in training (its worker start-up is then part of the timed span). ``--workers`` overrides
-``data.num_workers``; with several values the loader is rebuilt for each, in the order given.
+Per pipeline and worker count: the time to the first batch (worker start-up), then ``--warmup`` batches
+untimed (by default two per worker and two more: every worker has delivered before the clock starts),
+then img/s over ``--batches`` batches. An epoch that ends inside the run is followed by the next one, as
+in training (the workers persist unless ``data.persistent_workers=false``). ``--workers`` overrides
+``data.num_workers`` (default: the config's, ``null`` meaning the CPUs per process); ``--pipeline``
+overrides ``data.pipeline``. The loader is rebuilt for each combination, in the order given.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
 import os
 import platform
@@ -37,9 +42,10 @@ from omegaconf import OmegaConf
 from gspn2.train.config import TrainConfig, register_configs, validate
 from gspn2.train.data import (
     build_dataset,
-    build_train_loader,
     build_transform,
     check_image_folder,
+    resolve_num_workers,
+    train_loader_from_config,
     write_digits,
 )
 from gspn2.train.distributed import configure_torch, destroy, init_distributed
@@ -73,11 +79,14 @@ def build_train_data(cfg):
 
 
 def measure(cfg, train_set, num_workers: int, device: torch.device, batches: int, warmup: int,
-            rank: int = 0, world_size: int = 1) -> dict:
-    """One worker count: img/s of ``batches`` batches after ``warmup`` untimed ones."""
-    loader = build_train_loader(
-        train_set, cfg.data.batch_size, world_size=world_size, rank=rank, seed=cfg.seed,
-        num_workers=num_workers, pin_memory=cfg.data.pin_memory,
+            rank: int = 0, world_size: int = 1, pipeline: str | None = None) -> dict:
+    """One pipeline and worker count: img/s of ``batches`` batches after ``warmup`` untimed ones."""
+    if pipeline is not None:
+        cfg = copy.deepcopy(cfg)
+        cfg.data.pipeline = pipeline
+    loader = train_loader_from_config(
+        train_set, cfg, device, world_size=world_size, rank=rank, num_workers=num_workers,
+        pin_memory=cfg.data.pin_memory and device.type == "cuda",  # as train.py: pinning serves GPU copies
     )
     epoch, epochs_started = 0, 0
 
@@ -119,9 +128,11 @@ def measure(cfg, train_set, num_workers: int, device: torch.device, batches: int
         it, images = next_batch(it)
     sync()
     seconds = time.perf_counter() - t1
-    del it  # ends this loader's workers before the next worker count starts its own
+    del it, loader  # ends this loader's workers before the next one starts its own
+    gc.collect()
     images_timed = batches * cfg.data.batch_size
     return {
+        "pipeline": cfg.data.pipeline,
         "num_workers": num_workers,
         "img_per_s": images_timed / seconds,
         "img_per_s_per_worker": images_timed / seconds / num_workers if num_workers else None,
@@ -147,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--experiment", default="in1k_gspn2_tiny", help="configs/experiment/<name>.yaml")
     parser.add_argument("--workers", type=int, nargs="+",
                         help="data.num_workers values (default: the config's)")
+    parser.add_argument("--pipeline", nargs="+", choices=("cpu", "gpu"),
+                        help="data.pipeline values (default: the config's)")
     parser.add_argument("--batches", type=int, default=100, help="timed batches per worker count")
     parser.add_argument("--warmup", type=int, help="untimed batches first, the first included "
                         "(default: 2 per worker + 2, so every worker is past its start-up)")
@@ -167,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         configure_torch(info.device, tf32=cfg.trainer.tf32, cpu_threads=cfg.trainer.cpu_threads)
         train_set = build_train_data(cfg)
-        workers = args.workers if args.workers is not None else [cfg.data.num_workers]
+        workers = args.workers if args.workers is not None else [resolve_num_workers(cfg.data.num_workers)]
+        pipelines = args.pipeline if args.pipeline is not None else [cfg.data.pipeline]
         cpus = len(os.sched_getaffinity(0))
         print(
             f"experiment {args.experiment}: {len(train_set)} training images under {cfg.data.root}, "
@@ -176,17 +190,19 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
         results = []
-        for w in workers:
-            warmup = args.warmup if args.warmup is not None else 2 * w + 2
-            r = measure(cfg, train_set, w, info.device, args.batches, warmup, info.rank, info.world_size)
-            results.append(r)
-            per_worker = f", {r['img_per_s_per_worker']:.0f} per worker" if w else ""
-            print(
-                f"workers {w:3d}: {r['img_per_s']:8.1f} img/s{per_worker} "
-                f"({args.batches} batches after {warmup} warm-up, first batch after "
-                f"{r['first_batch_s']:.1f} s)",
-                flush=True,
-            )
+        for pipeline in pipelines:
+            for w in workers:
+                warmup = args.warmup if args.warmup is not None else 2 * w + 2
+                r = measure(cfg, train_set, w, info.device, args.batches, warmup, info.rank, info.world_size,
+                            pipeline=pipeline)
+                results.append(r)
+                per_worker = f", {r['img_per_s_per_worker']:.0f} per worker" if w else ""
+                print(
+                    f"pipeline {pipeline} workers {w:3d}: {r['img_per_s']:8.1f} img/s{per_worker} "
+                    f"({args.batches} batches after {warmup} warm-up, first batch after "
+                    f"{r['first_batch_s']:.1f} s)",
+                    flush=True,
+                )
     finally:
         destroy(info)
     report = {

@@ -46,8 +46,13 @@ class DataConfig:
     std: List[float] = field(default_factory=lambda: list(IMAGENET_STD))
     batch_size: int = 128  # per process
     eval_batch_size: int = 256  # per process
-    num_workers: int = 8
+    num_workers: Optional[int] = None  # loader processes per trainer process; null: the CPUs per process
     pin_memory: bool = True
+    persistent_workers: bool = True  # training loader workers live across epochs
+    prefetch_factor: int = 2  # batches in flight per training loader worker (each in shared memory)
+    pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (nvJPEG, GPU augmentation)
+    reduced_decode: bool = True  # cpu pipeline: decode JPEGs at 1/2, 1/4, 1/8 size when the crop allows
+    gpu_prefetch: int = 2  # gpu pipeline: batches a background thread decodes + augments ahead (0: inline)
     train_subset: Optional[int] = None  # use a fixed random subset of this many training images
     val_subset: Optional[int] = None
     # an unreadable image: "skip" leaves it out and counts it (logged per epoch, in results.json),
@@ -244,6 +249,7 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "trainer.dist_backend": ("auto", "nccl", "gloo", "mpi", "ucc"),
     "logger.mode": ("offline", "online", "disabled"),
     "data.prepare": (None, "digits"),
+    "data.pipeline": ("cpu", "gpu"),
     "data.interpolation": INTERPOLATIONS,
     "aug.train_interpolation": (*INTERPOLATIONS, "random"),
     "aug.remode": ("pixel", "rand", "const"),
@@ -257,13 +263,13 @@ TRAIN_POSITIVE = (
     "trainer.epochs", "trainer.accum_steps", "trainer.log_interval", "trainer.cpu_threads",
     "trainer.limit_train_steps", "trainer.stop_after_steps", "data.batch_size", "data.eval_batch_size",
     "data.img_size", "data.num_classes", "data.train_subset", "data.val_subset", "optim.lr_base_size",
-    "aug.recount", "aug.repeats",
+    "aug.recount", "aug.repeats", "data.prefetch_factor",
 )  # fmt: skip
 #: ... and those that must be >= 0.
 TRAIN_NON_NEGATIVE = (
     "data.num_workers", "sched.warmup_epochs", "sched.cooldown_epochs", "ema.mesa_start_epoch",
     "trainer.checkpoint_hist", "optim.weight_decay", "sched.warmup_lr", "sched.min_lr", "ema.mesa_weight",
-    "aug.mixup", "aug.cutmix",
+    "aug.mixup", "aug.cutmix", "data.gpu_prefetch",
 )  # fmt: skip
 #: Probabilities and fractions: ``key -> (low, high, high_inclusive)``, low always inclusive.
 TRAIN_RANGES: dict[str, tuple[float, float, bool]] = {

@@ -13,6 +13,7 @@ readable image of the folder (batches keep their size), a validation sample is d
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import struct
 import tempfile
@@ -24,7 +25,10 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data import create_transform
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
+from timm.data.auto_augment import RandAugment
+from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate, get_worker_info
+from torchvision import transforms as tvt
 from torchvision.datasets import ImageFolder
 
 from gspn2.train.checkpoint import umask_mode
@@ -44,7 +48,12 @@ __all__ = [
     "build_transform",
     "build_dataset",
     "ShardedBatchSampler",
+    "SeededSamples",
+    "ReducedDecodeRandomResizedCrop",
+    "default_num_workers",
+    "resolve_num_workers",
     "build_train_loader",
+    "train_loader_from_config",
     "build_eval_loader",
     "steps_per_epoch",
 ]
@@ -92,6 +101,10 @@ def read_image(path: str | os.PathLike) -> Image.Image:
         raise ImageError(f"cannot read image {str(path)!r}: {type(e).__name__}: {e}") from e
 
 
+def _path_of(path: str) -> str:
+    return path
+
+
 def _collate_readable(batch):
     """Collate the samples of a batch that were readable (``None`` marks a skipped one); a batch with
     none left becomes two empty tensors, which :func:`~gspn2.train.evaluate.evaluate` passes over."""
@@ -115,7 +128,9 @@ class CheckedImageFolder(ImageFolder):
     def __init__(self, root: str, transform, bad_images: str = "skip", replace: bool = True):
         if bad_images not in BAD_IMAGE_POLICIES:
             raise ValueError(f"data.bad_images must be one of {BAD_IMAGE_POLICIES}, got {bad_images!r}")
-        super().__init__(root, transform=transform, loader=read_image)
+        # a transform that decodes by itself (reduced-size JPEG decoding) is given the file's path
+        loader = _path_of if getattr(transform, "reads_paths", False) else read_image
+        super().__init__(root, transform=transform, loader=loader)
         self.bad_images = bad_images
         self.replace = replace
         self.skipped = torch.zeros(len(self.samples), dtype=torch.bool).share_memory_()
@@ -258,11 +273,19 @@ def build_transform(data, aug, is_training: bool, img_size: int | None = None):
     """The timm transform of the training recipe (``is_training``) or of evaluation.
 
     ``data`` is a :class:`~gspn2.train.config.DataConfig`-like object (img_size, crop_pct,
-    interpolation, mean, std), ``aug`` an :class:`~gspn2.train.config.AugConfig` (training only).
+    interpolation, mean, std, reduced_decode), ``aug`` an :class:`~gspn2.train.config.AugConfig`
+    (training only). timm's pipeline, with three changes that keep its function:
+
+    * ToTensor + Normalize become one fused conversion (:class:`ToNormalizedTensor`, same values to
+      float rounding, a quarter of the time);
+    * RandAugment's posterize ops keep 0 bits as a black image instead of the error Pillow >= 13 raises
+      (magnitude 10, 2.3% of the draws at ``mstd0.5``, would otherwise stop a training run);
+    * with ``data.reduced_decode`` the training crop decodes the JPEG at 1/2, 1/4 or 1/8 size when the
+      crop allows (:class:`ReducedDecodeRandomResizedCrop`); the transform then takes the file's path.
     """
     size = img_size or data.img_size
     if not is_training:
-        return create_transform(
+        tf = create_transform(
             input_size=size,
             is_training=False,
             interpolation=data.interpolation,
@@ -270,7 +293,8 @@ def build_transform(data, aug, is_training: bool, img_size: int | None = None):
             mean=tuple(data.mean),
             std=tuple(data.std),
         )
-    return create_transform(
+        return _fuse_to_tensor(tf)
+    tf = create_transform(
         input_size=size,
         is_training=True,
         no_aug=aug.no_aug,
@@ -288,6 +312,135 @@ def build_transform(data, aug, is_training: bool, img_size: int | None = None):
         re_count=aug.recount,
         crop_pct=data.crop_pct,  # used by no_aug only
     )
+    tf = _fuse_to_tensor(tf)
+    for t in tf.transforms:
+        if isinstance(t, RandAugment):
+            for op in t.ops:
+                if op.name.startswith("Posterize"):
+                    op.aug_fn = posterize_any_bits
+    first = tf.transforms[0]
+    if getattr(data, "reduced_decode", False) and isinstance(first, RandomResizedCropAndInterpolation):
+        tf.transforms[0] = ReducedDecodeRandomResizedCrop(
+            first.size, first.scale, first.ratio, first.interpolation
+        )
+        tf.reads_paths = True  # CheckedImageFolder hands it the path instead of a decoded image
+    return tf
+
+
+def posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """``ImageOps.posterize`` for 0..8 bits: 0 keeps no bit (a black image), 8 all of them."""
+    if not 0 <= bits_to_keep <= 8:
+        raise ValueError(f"bits_to_keep must be in 0..8, got {bits_to_keep}")
+    mask = (0xFF << (8 - bits_to_keep)) & 0xFF
+    return img.point([i & mask for i in range(256)] * len(img.getbands()))
+
+
+class ToNormalizedTensor:
+    """A PIL image (or a CHW uint8 tensor) to a normalised float CHW tensor in one pass:
+    ``(x / 255 - mean) / std`` computed as ``x * (1 / (255 std)) - mean / std``."""
+
+    def __init__(self, mean, std):
+        std = torch.as_tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        mean = torch.as_tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.scale = 1.0 / (255.0 * std)
+        self.shift = mean / std
+
+    def __call__(self, img):
+        if isinstance(img, Image.Image):
+            if img.mode != "RGB":
+                img = img.convert("RGB")
+            x = torch.from_numpy(np.array(img)).permute(2, 0, 1)  # a writable copy, as torch requires
+        else:
+            x = img
+        return torch.addcmul(-self.shift, x.float(), self.scale)
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+def _fuse_to_tensor(tf: tvt.Compose) -> tvt.Compose:
+    """Replace timm's ``MaybeToTensor(), Normalize(mean, std)`` pair by :class:`ToNormalizedTensor`."""
+    ts = tf.transforms
+    for k in range(len(ts) - 1):
+        if isinstance(ts[k], MaybeToTensor) and isinstance(ts[k + 1], tvt.Normalize):
+            norm = ts[k + 1]
+            ts[k : k + 2] = [ToNormalizedTensor(norm.mean, norm.std)]
+            break
+    return tf
+
+
+def _pil_mode(mode):
+    return tvt.functional.pil_modes_mapping[mode] if isinstance(mode, tvt.InterpolationMode) else mode
+
+
+#: JPEG decoding scales that libjpeg's scaled IDCT offers (and Pillow's ``Image.draft`` selects)
+DRAFT_FACTORS = (8, 4, 2)
+
+
+def reduction_factor(crop_h: int, crop_w: int, out_h: int, out_w: int) -> int:
+    """The largest JPEG reduction (8, 4, 2 or 1) after which a ``crop_h x crop_w`` crop still has at least
+    ``out_h x out_w`` pixels: the resize to the output size stays a downscale, as it was from full size."""
+    for f in DRAFT_FACTORS:
+        if crop_h >= f * out_h and crop_w >= f * out_w:
+            return f
+    return 1
+
+
+class ReducedDecodeRandomResizedCrop:
+    """timm's ``RandomResizedCropAndInterpolation`` that decodes only as many pixels as the crop needs.
+
+    Called with a file path (or an image already decoded, then cropped like timm). The crop box is
+    drawn on the original size by timm's own
+    ``RandomResizedCropAndInterpolation.get_params`` (the JPEG header gives the size without decoding),
+    so the crop distribution and the random stream are timm's. Then, where
+    :func:`reduction_factor` allows, Pillow's ``Image.draft`` decodes the JPEG at 1/2, 1/4 or 1/8 size
+    and the box is mapped onto the reduced image (fractional coordinates, through ``resize(box=...)``);
+    otherwise it decodes at full size. Decode failures raise :class:`ImageError` naming the file.
+    """
+
+    def __init__(self, size, scale, ratio, interpolation):
+        self.size = tuple(size)  # (h, w)
+        self.scale = tuple(scale)
+        self.ratio = tuple(ratio)
+        # timm keeps torchvision's InterpolationMode (or a tuple of them for "random"); PIL wants its own
+        if isinstance(interpolation, (tuple, list)):
+            self.interpolation = tuple(_pil_mode(m) for m in interpolation)
+        else:
+            self.interpolation = _pil_mode(interpolation)
+        self.last = None  # (factor, (i, j, h, w)) of the latest call, for tests and benchmarks
+
+    def __call__(self, path: str | Image.Image) -> Image.Image:
+        out_h, out_w = self.size
+        if isinstance(path, Image.Image):  # already decoded (a caller other than CheckedImageFolder)
+            img = path.convert("RGB")
+            i, j, h, w = RandomResizedCropAndInterpolation.get_params(img, self.scale, self.ratio)
+            interpolation = self.interpolation
+            if isinstance(interpolation, (tuple, list)):
+                interpolation = random.choice(interpolation)
+            self.last = (1, (i, j, h, w))
+            return img.resize((out_w, out_h), resample=interpolation, box=(j, i, j + w, i + h))
+        try:
+            with open(path, "rb") as f:
+                img = Image.open(f)
+                full_w, full_h = img.size
+                i, j, h, w = RandomResizedCropAndInterpolation.get_params(img, self.scale, self.ratio)
+                interpolation = self.interpolation
+                if isinstance(interpolation, (tuple, list)):
+                    interpolation = random.choice(interpolation)
+                factor = reduction_factor(h, w, out_h, out_w) if img.format == "JPEG" else 1
+                if factor > 1:
+                    img.draft("RGB", (full_w // factor, full_h // factor))
+                img.load()
+                img = img.convert("RGB")
+        except _DECODE_ERRORS as e:
+            raise ImageError(f"cannot read image {str(path)!r}: {type(e).__name__}: {e}") from e
+        sx, sy = img.width / full_w, img.height / full_h
+        self.last = (factor if img.size != (full_w, full_h) else 1, (i, j, h, w))
+        box = (j * sx, i * sy, (j + w) * sx, (i + h) * sy)
+        return img.resize((out_w, out_h), resample=interpolation, box=box)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio})"
 
 
 def build_dataset(
@@ -352,7 +505,9 @@ class ShardedBatchSampler(Sampler[int]):
         seed: int,
         shuffle: bool = True,
         repeats: int = 1,
+        with_seeds: bool = False,
     ):
+        self.with_seeds = with_seeds
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.world_size = world_size
@@ -374,18 +529,78 @@ class ShardedBatchSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_steps * self.batch_size
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_samples, generator=g)
         else:
             order = torch.arange(self.num_samples)
         if self.repeats > 1:
             order = order.repeat_interleave(self.repeats)[: self.num_samples]
+        # one augmentation seed per position of the epoch's global order: the same sample of the same
+        # epoch is augmented alike for any process count, worker count or resume point
+        seeds = torch.randint(0, 2**62, (self.num_samples,), generator=g) if self.with_seeds else None
         global_batch = self.batch_size * self.world_size
         for step in range(self.num_steps):
             start = step * global_batch + self.rank * self.batch_size
-            yield from order[start : start + self.batch_size].tolist()
+            indices = order[start : start + self.batch_size].tolist()
+            if seeds is None:
+                yield from indices
+            else:
+                yield from zip(indices, seeds[start : start + self.batch_size].tolist())
+
+
+class SeededSamples(Dataset):
+    """``dataset[index]`` under the random state of a seed, for ``(index, seed)`` keys of
+    :class:`ShardedBatchSampler` (``with_seeds=True``).
+
+    The transform's random draws (Python's ``random``, NumPy's global state and torch's CPU generator:
+    timm and torchvision use all three) come from the sample's own seed, so augmentation does not depend
+    on which worker process, or how many, read the sample, nor on whether workers persist across epochs.
+    In the main process (``num_workers=0``) the three states are restored afterwards, so the trainer's
+    own streams (dropout, mixup) are not disturbed.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise TypeError(f"SeededSamples takes (index, seed) keys, got {key!r}")
+        index, seed = key
+        saved = None
+        if get_worker_info() is None:
+            saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.random.default_generator.manual_seed(seed)
+        try:
+            return self.dataset[index]
+        finally:
+            if saved is not None:
+                random.setstate(saved[0])
+                np.random.set_state(saved[1])
+                torch.set_rng_state(saved[2])
+
+
+def default_num_workers() -> int:
+    """Loader processes per trainer process: the CPUs this process may run on, shared by the processes
+    of this node (``LOCAL_WORLD_SIZE``, set by torchrun), at least one."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cpus // max(1, local))
+
+
+def resolve_num_workers(num_workers) -> int:
+    """``data.num_workers``: a count >= 0, or ``None`` / ``"auto"`` for :func:`default_num_workers`."""
+    if num_workers is None or num_workers == "auto":
+        return default_num_workers()
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"data.num_workers must be an integer >= 0, null or 'auto'; got {num_workers!r}")
+    return num_workers
 
 
 def build_train_loader(
@@ -397,18 +612,54 @@ def build_train_loader(
     num_workers: int,
     pin_memory: bool,
     repeats: int = 1,
+    persistent_workers: bool = True,
+    prefetch_factor: int = 2,
+    collate_fn=None,
 ) -> DataLoader:
-    sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed, repeats=repeats)
+    """The training DataLoader: :class:`ShardedBatchSampler` order, each sample augmented under its own
+    seed (:class:`SeededSamples`); worker processes (if any) persist across epochs and keep
+    ``prefetch_factor`` batches each in flight."""
+    if prefetch_factor < 1:
+        raise ValueError(f"data.prefetch_factor must be >= 1, got {prefetch_factor!r}")
+    sampler = ShardedBatchSampler(
+        len(dataset), batch_size, world_size, rank, seed, repeats=repeats, with_seeds=True
+    )
+    workers = {}
+    if num_workers:  # DataLoader refuses both options without worker processes
+        workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
     return DataLoader(
-        dataset,
+        SeededSamples(dataset),
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        # seeded per epoch by the trainer, so worker augmentation streams survive a resume
+        collate_fn=collate_fn,
+        # the trainer seeds it per epoch; augmentation draws come from the samples' seeds, not from it
         generator=torch.Generator(),
+        **workers,
     )
+
+
+def train_loader_from_config(dataset: Dataset, cfg, device: torch.device, world_size: int, rank: int,
+                             num_workers: int, pin_memory: bool):
+    """The training loader of ``cfg.data.pipeline``: ``cpu`` (timm's transforms in the workers) or
+    ``gpu`` (workers read the files, the GPU decodes and augments: :mod:`gspn2.train.gpu_data`)."""
+    data = cfg.data
+    pipeline = getattr(data, "pipeline", "cpu")
+    common = dict(
+        world_size=world_size, rank=rank, seed=cfg.seed, num_workers=num_workers, pin_memory=pin_memory,
+        repeats=cfg.aug.repeats, persistent_workers=getattr(data, "persistent_workers", True),
+        prefetch_factor=getattr(data, "prefetch_factor", 2),
+    )
+    if pipeline == "cpu":
+        return build_train_loader(dataset, data.batch_size, **common)
+    if pipeline == "gpu":
+        from gspn2.train.gpu_data import build_gpu_train_loader
+
+        return build_gpu_train_loader(dataset, data, cfg.aug, data.batch_size, device=device,
+                                      ahead=getattr(data, "gpu_prefetch", 0), **common)
+    raise ValueError(f"data.pipeline must be 'cpu' or 'gpu', got {pipeline!r}")
 
 
 def build_eval_loader(

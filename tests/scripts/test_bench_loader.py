@@ -35,7 +35,7 @@ def test_measures_the_experiments_loader(bench, tiny_root, tmp_path):
     assert report["data"]["num_classes"] == 1000 and report["data"]["img_size"] == 224
     assert report["aug"]["auto_augment"] == "rand-m9-mstd0.5-inc1" and report["aug"]["reprob"] == 0.25
     (r,) = report["results"]
-    assert r["num_workers"] == 0 and r["batches"] == 3 and r["warmup_batches"] == 1
+    assert r["pipeline"] == "cpu" and r["num_workers"] == 0 and r["batches"] == 3 and r["warmup_batches"] == 1
     assert r["batch_shape"] == [2, 3, 224, 224]
     assert r["img_per_s"] == pytest.approx(3 * 2 / r["seconds"]) and r["img_per_s"] > 0
     assert r["epochs_started_while_timed"] == 1  # 1 + 3 batches run past the 3-batch epoch
@@ -45,7 +45,25 @@ def test_workers_default_to_the_config(bench, tiny_root, capsys):
     report = bench.main([str(tiny_root), *CPU, "data.num_workers=0", "--batches", "1", "--warmup", "1"])
     assert [r["num_workers"] for r in report["results"]] == [0]
     assert report["results"][0]["warmup_batches"] == 1
-    assert "workers   0:" in capsys.readouterr().out
+    assert "pipeline cpu workers   0:" in capsys.readouterr().out
+
+
+def test_measures_both_pipelines(bench, tiny_root, capsys):
+    report = bench.main([str(tiny_root), *CPU, "--pipeline", "cpu", "gpu", "--workers", "0", "1",
+                         "--batches", "2", "--warmup", "1"])
+    runs = [(r["pipeline"], r["num_workers"]) for r in report["results"]]
+    assert runs == [("cpu", 0), ("cpu", 1), ("gpu", 0), ("gpu", 1)]
+    for r in report["results"]:
+        # the GPU path yields the same batches, decoded and augmented on the device (here the CPU)
+        assert r["batch_shape"] == [2, 3, 224, 224] and r["img_per_s"] > 0
+    out = capsys.readouterr().out
+    assert "pipeline gpu workers   1:" in out and "pipeline cpu workers   0:" in out
+
+
+def test_workers_default_to_the_cpus_when_null(bench, tiny_root):
+    report = bench.main([str(tiny_root), *CPU, "data.num_workers=null", "--batches", "1", "--warmup", "1"])
+    cpus = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    assert [r["num_workers"] for r in report["results"]] == [max(1, cpus)]
 
 
 @pytest.mark.parametrize(
@@ -63,3 +81,9 @@ def test_bad_arguments_name_the_flag(bench, tiny_root, argv, message):
 def test_missing_root_is_a_data_error(bench, tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         bench.main([str(tmp_path / "nowhere"), *CPU, "--workers", "0", "--batches", "1"])
+
+
+def test_unknown_pipeline_is_refused(bench, tiny_root, capsys):
+    with pytest.raises(SystemExit):
+        bench.main([str(tiny_root), "--pipeline", "dali"])
+    assert "--pipeline: invalid choice: 'dali'" in capsys.readouterr().err
