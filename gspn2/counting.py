@@ -131,6 +131,7 @@ def register_fvcore_default_handles() -> None:
     calling it twice is harmless. A handle fvcore already has for one of these names is a
     conflict, not something to overwrite: it raises ``RuntimeError``."""
     # importlib: ``fvcore.nn.flop_count`` as an attribute is the function of that name, not the module.
+    _fvcore_nn()  # imports fvcore.nn (and flop_count) with its import-time warning filtered
     table = getattr(importlib.import_module("fvcore.nn.flop_count"), "_DEFAULT_SUPPORTED_OPS", None)
     if not isinstance(table, dict):
         raise RuntimeError(
