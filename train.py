@@ -37,7 +37,6 @@ from pathlib import Path
 import hydra
 import numpy as np
 import torch
-import torch.nn as nn
 import wandb
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -50,6 +49,7 @@ from tqdm import tqdm
 import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
 from gspn2.counting import count_model
 from gspn2.train.build import (
+    TrainParts,
     build_mixup_and_loss,
     build_model,
     build_optimizer,
@@ -59,13 +59,14 @@ from gspn2.train.build import (
     lr_scale as lr_scale_of,
 )
 from gspn2.train.checkpoint import (
-    CHECKPOINT_FORMAT,
     CheckpointError,
+    Progress,
     atomic_write_bytes,
-    load_model_state,
+    restore_training_state,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    training_state,
 )
 from gspn2.train.config import ConfigError, TrainConfig, check_train_config, register_configs, validate
 from gspn2.train.data import (
@@ -160,6 +161,98 @@ def wandb_line(run, mode: str) -> str:
     if mode == "offline":
         return f"wandb: offline run {run.id} in {where} (upload: wandb sync {where})"
     return f"wandb: run {run.id} at {run.url}, local files in {where}"
+
+
+def train_one_epoch(
+    parts: TrainParts,
+    loader,
+    cfg: DictConfig,
+    info,
+    epoch: int,
+    updates: int,
+    progress: Progress,
+    run,
+    bar,
+) -> torch.Tensor | None:
+    """One epoch of optimisation: ``updates`` optimizer steps of ``trainer.accum_steps`` micro-batches.
+
+    Advances ``progress.step`` and ``progress.lr_steps``, logs every ``trainer.log_interval`` steps
+    (rank 0: ``run`` is the W&B run there). Returns this rank's sum of the per-step mean losses (a
+    float64 tensor on the device, not yet synchronised), or ``None`` when ``trainer.stop_after_steps``
+    ends the run inside the epoch.
+    """
+    device, accum, precision = info.device, cfg.trainer.accum_steps, cfg.trainer.precision
+    model, train_model, optimizer, ema = parts.model, parts.train_model, parts.optimizer, parts.ema
+    scaler, mixup_fn = parts.scaler, parts.mixup_fn
+    mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
+    train_model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    batches = iter(loader)
+    for _ in range(updates):
+        for micro in range(accum):
+            images, targets = next(batches)
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            if mixup_fn is not None:
+                images, targets = mixup_fn(images, targets)
+            if cfg.trainer.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            last_micro = micro == accum - 1
+            no_sync = train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
+            with no_sync:
+                with autocast(device, precision):
+                    logits = train_model(images)
+                    loss = parts.loss_fn(logits, targets)
+                    if mesa_on:
+                        with torch.no_grad():
+                            teacher = ema.module(images).float().softmax(dim=-1)
+                        loss = loss + cfg.ema.mesa_weight * parts.distill_loss_fn(logits.float(), teacher)
+                scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach().double() / accum
+        grad_norm = None
+        if cfg.optim.clip_grad is not None:
+            scaler.unscale_(optimizer)
+            grad_norm = clip_gradients(model, cfg.optim.clip_grad, cfg.optim.clip_mode)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        progress.step += 1
+        step = progress.step
+        parts.scheduler.step_update(num_updates=step)
+        if ema is not None:
+            ema.update(model, step=step)
+        lr = optimizer.param_groups[0]["lr"]
+        bar.update(1)
+        progress.lr_steps.append(lr)
+        if info.is_main and step % cfg.trainer.log_interval == 0:
+            loss_now = loss.item()
+            bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.2e}")
+            stats = {"train/loss": loss_now, "train/lr": lr, "epoch": step / updates}
+            if grad_norm is not None:
+                stats["train/grad_norm"] = grad_norm.item()
+            run.log(stats, step=step)
+        if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
+            return None  # crash simulation (resume tests)
+    return loss_sum
+
+
+def publish_epoch(
+    run_dir: Path, state: dict, results: dict, is_best: bool, title: str, train_label: str
+) -> None:
+    """Write the epoch's files as one set (:func:`gspn2.train.rundir.publish`): a crash leaves this set
+    or the previous one. ``best.pt`` is a copy of the staged ``last.pt`` when the epoch is the best."""
+    history = results["history"]
+    epoch_files = {
+        "last.pt": lambda path: save_checkpoint(state, path),
+        "results.json": lambda path: atomic_write_bytes(path, json.dumps(results, indent=2).encode()),
+        "summary.csv": lambda path: atomic_write_bytes(path, summary_csv(history)),
+        "curves.png": lambda path: plot_curves(
+            history, path, title=title, train_label=train_label, lr_steps=state["lr_steps"].tolist()
+        ),
+    }
+    if is_best:
+        epoch_files["best.pt"] = "last.pt"
+    publish(run_dir, epoch_files, label=f"epoch {state['epoch']}")
 
 
 def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
@@ -282,53 +375,31 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
     scheduler, num_epochs = build_scheduler(
         cfg.sched, optimizer, cfg.trainer.epochs, lr_scale, updates_per_epoch
     )
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
     mixup_fn, train_loss_fn = build_mixup_and_loss(cfg.aug, cfg.data.num_classes)
-    distill_loss_fn = SoftTargetCrossEntropy()  # MESA: cross-entropy to the EMA teacher's probabilities
+    parts = TrainParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
+        ema=ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None,
+        mixup_fn=mixup_fn,
+        loss_fn=train_loss_fn,
+        distill_loss_fn=SoftTargetCrossEntropy(),
+    )
 
     # ------------------------------------------------------------------------------------------ resume
-    start_epoch, step, best_top1, best_epoch, history, wandb_id = 0, 0, -math.inf, 0, [], None
-    lr_steps: list[float] = []  # the lr of every optimizer step, for curves.png
+    progress = Progress()
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     if ckpt_path is not None:
         ckpt, start_point.state = start_point.state, None
-        old_optim = ckpt["config"].get("optim", {}).get("name")
-        if old_optim != cfg.optim.name and not cfg.trainer.no_resume_opt:
-            raise CheckpointError(
-                f"{ckpt_path} was trained with optim={old_optim}, this run asks for optim={cfg.optim.name}: "
-                f"add trainer.no_resume_opt=true to keep the weights and start a fresh {cfg.optim.name} state"
-            )
-        load_model_state(model, ckpt["model"], ckpt_path)
-        if ema is not None:
-            if ckpt.get("ema") is None:
-                raise CheckpointError(
-                    f"checkpoint {str(ckpt_path)!r} has no EMA weights; resume with "
-                    f"ema.enabled=false or start a new run"
-                )
-            load_model_state(ema.module, ckpt["ema"], ckpt_path, what="EMA")
-        if not cfg.trainer.no_resume_opt:
-            # the checkpoint's moments, but this config's hyperparameters (weight decay, betas, ...)
-            fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            try:
-                optimizer.load_state_dict(ckpt["optimizer"])
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(
-                    f"the optimizer state in {str(ckpt_path)!r} does not fit optim={cfg.optim.name} "
-                    f"({e}); add trainer.no_resume_opt=true to start a fresh optimizer state"
-                ) from e
-            for group, own in zip(optimizer.param_groups, fresh):
-                group.update(own)
-            if ckpt.get("scaler"):
-                scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, step = ckpt["epoch"], ckpt["step"]
-        best_top1, best_epoch, history = ckpt["best_top1"], ckpt["best_epoch"], ckpt["history"]
-        lr_steps = ckpt["lr_steps"].tolist() if "lr_steps" in ckpt else []
-        # the schedule is this config's (e.g. more epochs), evaluated where the checkpoint stopped
-        if cfg.sched.step_on_epochs:
-            scheduler.step(start_epoch)
-        else:
-            scheduler.step_update(num_updates=step)
+        progress = restore_training_state(
+            ckpt,
+            ckpt_path,
+            parts,
+            optim_name=cfg.optim.name,
+            fresh_optimizer=cfg.trainer.no_resume_opt,
+            step_on_epochs=cfg.sched.step_on_epochs,
+        )
         changes = config_changes(
             {k: v for k, v in ckpt["config"].items() if k not in ("run_dir", "resume")},
             {k: v for k, v in config_dict.items() if k not in ("run_dir", "resume")},
@@ -342,26 +413,25 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, this run has "
                 f"{info.world_size}: random streams restart from seed {cfg.seed} + rank"
             )
-        if ckpt_path == own_last:
-            wandb_id = ckpt["wandb_id"]  # the same run continues: append to its W&B run
+        if ckpt_path != own_last:
+            progress.wandb_id = None  # another run's checkpoint: a new W&B run
         log(
-            f"resumed from {ckpt_path}: epoch {start_epoch}, step {step}"
+            f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step}"
             + (" (fresh optimizer state: trainer.no_resume_opt)" if cfg.trainer.no_resume_opt else "")
         )
         del ckpt
 
-    if start_epoch >= num_epochs:
+    if progress.epoch >= num_epochs:
         log(f"{ckpt_path} already holds all {num_epochs} epochs: nothing to train, nothing rewritten")
         destroy(info)
         log(run_dir)
         return run_dir
 
-    train_model: nn.Module = model
     if cfg.trainer.compile:
-        train_model = compile_model(train_model, cfg.trainer.compile_mode, cfg.trainer.compile_lean_memory)
+        parts.train_model = compile_model(model, cfg.trainer.compile_mode, cfg.trainer.compile_lean_memory)
     if info.enabled:
-        train_model = DistributedDataParallel(
-            train_model,
+        parts.train_model = DistributedDataParallel(
+            parts.train_model,
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
@@ -385,13 +455,13 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
             tags=list(cfg.logger.tags),
             mode=cfg.logger.mode,
             dir=str(run_dir),
-            id=wandb_id,
+            id=progress.wandb_id,
             resume="allow",
             config={**config_dict, "backend": backend, "overrides": overrides},
             # silent: W&B's own start and end messages are some 35 lines a run; wandb_line() is one
             settings=wandb.Settings(silent=True),
         )
-        wandb_id = run.id
+        progress.wandb_id = run.id
         log(describe(backend))
         log(
             f"run directory {run_dir} | {info.world_size} process(es) on {device.type} | global batch "
@@ -410,16 +480,12 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         else "train"
     )  # fmt: skip
     try:
-        for epoch in range(start_epoch, num_epochs):
+        for epoch in range(progress.epoch, num_epochs):
             t_epoch = time.perf_counter()
-            train_model.train()
             train_loader.sampler.set_epoch(epoch)
             train_loader.generator.manual_seed(cfg.seed + 100_003 * info.rank + epoch)  # DataLoader workers
             reset_skipped(train_set)
             reset_skipped(val_set)
-            mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            batches = iter(train_loader)
             bar = tqdm(
                 total=updates_per_epoch,
                 desc=f"epoch {epoch + 1}/{num_epochs}",
@@ -428,60 +494,20 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 dynamic_ncols=True,
                 mininterval=1.0,
             )
-            for _ in range(updates_per_epoch):
-                for micro in range(accum):
-                    images, targets = next(batches)
-                    images = images.to(device, non_blocking=True)
-                    targets = targets.to(device, non_blocking=True)
-                    if mixup_fn is not None:
-                        images, targets = mixup_fn(images, targets)
-                    if cfg.trainer.channels_last:
-                        images = images.contiguous(memory_format=torch.channels_last)
-                    last_micro = micro == accum - 1
-                    no_sync = (
-                        train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
-                    )
-                    with no_sync:
-                        with autocast(device, precision):
-                            logits = train_model(images)
-                            loss = train_loss_fn(logits, targets)
-                            if mesa_on:
-                                with torch.no_grad():
-                                    teacher = ema.module(images).float().softmax(dim=-1)
-                                loss = loss + cfg.ema.mesa_weight * distill_loss_fn(logits.float(), teacher)
-                        scaler.scale(loss / accum).backward()
-                    loss_sum += loss.detach().double() / accum
-                grad_norm = None
-                if cfg.optim.clip_grad is not None:
-                    scaler.unscale_(optimizer)
-                    grad_norm = clip_gradients(model, cfg.optim.clip_grad, cfg.optim.clip_mode)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                scheduler.step_update(num_updates=step)
-                if ema is not None:
-                    ema.update(model, step=step)
-                lr = optimizer.param_groups[0]["lr"]
-                bar.update(1)
-                lr_steps.append(lr)
-                if master and step % cfg.trainer.log_interval == 0:
-                    loss_now = loss.item()
-                    bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.2e}")
-                    stats = {"train/loss": loss_now, "train/lr": lr, "epoch": step / updates_per_epoch}
-                    if grad_norm is not None:
-                        stats["train/grad_norm"] = grad_norm.item()
-                    run.log(stats, step=step)
-                if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
-                    # crash simulation (resume tests): leave without saving anything of this epoch
-                    bar.close()
-                    log(f"stopped after {step} steps (trainer.stop_after_steps); last saved: epoch {epoch}")
-                    if run is not None:
-                        run.finish(exit_code=1)
-                    destroy(info)
-                    log(run_dir)
-                    return run_dir
+            loss_sum = train_one_epoch(
+                parts, train_loader, cfg, info, epoch, updates_per_epoch, progress, run, bar
+            )
             bar.close()
+            if loss_sum is None:  # trainer.stop_after_steps: leave without saving anything of this epoch
+                log(
+                    f"stopped after {progress.step} steps (trainer.stop_after_steps); "
+                    f"last saved: epoch {progress.epoch}"
+                )
+                if run is not None:
+                    run.finish(exit_code=1)
+                destroy(info)
+                log(run_dir)
+                return run_dir
             if cfg.sched.step_on_epochs:  # per-epoch schedules move at epoch ends only (timm's train.py)
                 scheduler.step(epoch + 1)
             train_loss = all_reduce_sum(loss_sum, info).item() / (updates_per_epoch * info.world_size)
@@ -492,13 +518,15 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 )
 
             # ------------------------------------------------------------------------------------- eval
+            ema = parts.ema
             val = evaluate(model, val_loader, info, precision, cfg.trainer.channels_last)
             ema_val = (
                 evaluate(ema.module, val_loader, info, precision, cfg.trainer.channels_last) if ema else None
             )
+            lr = progress.lr_steps[-1]  # the last step's (an epoch schedule has moved on since)
             record = {
                 "epoch": epoch + 1,
-                "step": step,
+                "step": progress.step,
                 "lr": lr,
                 "train_loss": train_loss,
                 "val_top1": val["top1"],
@@ -521,69 +549,50 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                         f"epoch {epoch + 1}: skipped {len(files)} unreadable {split} image(s) "
                         f"(data.bad_images=skip): {', '.join(files)}"
                     )
-            history.append(record)
-            is_best = val["top1"] > best_top1
+            progress.epoch = epoch + 1
+            progress.history.append(record)
+            is_best = val["top1"] > progress.best_top1
             if is_best:
-                best_top1, best_epoch = val["top1"], epoch + 1
+                progress.best_top1, progress.best_epoch = val["top1"], epoch + 1
 
             # ------------------------------------------------------------------------------- checkpoint
             rng = all_gather_object(rng_state(device), info)  # every rank's streams, for an exact resume
             if master:
-                state = {
-                    "format": CHECKPOINT_FORMAT,
-                    "model": model.state_dict(),
-                    "model_name": cfg.model.name,
-                    "classes": class_names(train_set),  # class folder names, for eval.py predict=
-                    "ema": ema.module.state_dict() if ema is not None else None,
-                    "ema_updates": step if ema is not None else 0,
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "best_top1": best_top1,
-                    "best_epoch": best_epoch,
-                    "history": history,
-                    "rng": rng,
-                    "config": config_dict,
-                    "wandb_id": wandb_id,
-                    "lr_steps": torch.tensor(lr_steps, dtype=torch.float64),
-                }
-                kept = keep_top_k(run_dir, history, state, cfg.trainer.checkpoint_hist)
+                state = training_state(
+                    parts,
+                    progress,
+                    model_name=cfg.model.name,
+                    classes=class_names(train_set),
+                    rng=rng,
+                    config=config_dict,
+                )
+                kept = keep_top_k(run_dir, progress.history, state, cfg.trainer.checkpoint_hist)
                 results = {
                     **{k: v for k, v in record.items() if k != "epoch_s"},
-                    "best_top1": best_top1,
-                    "best_epoch": best_epoch,
+                    "best_top1": progress.best_top1,
+                    "best_epoch": progress.best_epoch,
                     "model": cfg.model.name,
                     "params": count.params,
                     "macs": count.macs,
                     "img_size": cfg.data.img_size,
                     "global_batch": global_batch,
                     "world_size": info.world_size,
-                    "train_s": sum(h["epoch_s"] for h in history),
+                    "train_s": sum(h["epoch_s"] for h in progress.history),
                     "run_dir": str(run_dir),
                     "checkpoint": str(run_dir / "last.pt"),
                     "top_k_epochs": kept,
                     "backend": backend,
                     "overrides": overrides,
-                    "history": history,
+                    "history": progress.history,
                 }
-                # the epoch's files are published as one set: a crash leaves this set or the previous one
-                epoch_files = {
-                    "last.pt": lambda path: save_checkpoint(state, path),
-                    "results.json": lambda path: atomic_write_bytes(path, json.dumps(results, indent=2).encode()),
-                    "summary.csv": lambda path: atomic_write_bytes(path, summary_csv(history)),
-                    "curves.png": lambda path: plot_curves(
-                        history,
-                        path,
-                        title=f"{cfg.name} / {run_dir.name}: {cfg.model.name}",
-                        train_label=train_loss_label,
-                        lr_steps=lr_steps,
-                    ),
-                }
-                if is_best:
-                    epoch_files["best.pt"] = "last.pt"  # a copy of the staged last.pt
-                publish(run_dir, epoch_files, label=f"epoch {epoch + 1}")
+                publish_epoch(
+                    run_dir,
+                    state,
+                    results,
+                    is_best,
+                    title=f"{cfg.name} / {run_dir.name}: {cfg.model.name}",
+                    train_label=train_loss_label,
+                )
                 run.log(
                     {"epoch": epoch + 1, "train/epoch_loss": train_loss}
                     | {f"val/{k[len('val_') :]}": v for k, v in record.items() if k.startswith("val_")}
@@ -592,7 +601,7 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                         for k, v in record.items()
                         if k.startswith("ema_val_")
                     },
-                    step=step,
+                    step=progress.step,
                 )
                 ema_msg = f" | EMA top1 {ema_val['top1']:6.2f} loss {ema_val['loss']:.4f}" if ema_val else ""
                 log(
@@ -614,8 +623,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
     # ------------------------------------------------------------------------------------------ finish
     if master:
         log(
-            f"done: val top1 {results['val_top1']:.2f} (best {best_top1:.2f} at epoch {best_epoch}), "
-            f"{results['train_s']:.0f} s of training"
+            f"done: val top1 {results['val_top1']:.2f} (best {progress.best_top1:.2f} at epoch "
+            f"{progress.best_epoch}), {results['train_s']:.0f} s of training"
         )
         run.finish()
         log(wandb_line(run, cfg.logger.mode))
