@@ -37,7 +37,6 @@ from pathlib import Path
 import hydra
 import numpy as np
 import torch
-import wandb
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -151,6 +150,44 @@ def worker_count_note(num_workers: int) -> str | None:
     if num_workers <= cores:
         return None
     return f"note: data.num_workers={num_workers} loader processes share {cores} CPU core(s): expect contention"
+
+
+class NoRun:
+    """Stands in for the W&B run under ``logger.mode=disabled`` (``logger=none``), so wandb is not imported."""
+
+    id = None
+
+    def log(self, data: dict, step: int | None = None) -> None:
+        pass
+
+    def finish(self, exit_code: int | None = None) -> None:
+        pass
+
+
+def open_run(logger_cfg, name: str, run_dir: Path, run_id: str | None, config: dict):
+    """The W&B run ``name`` of ``logger.*`` (continuing ``run_id`` when given), files under ``run_dir``;
+    a :class:`NoRun` when the logger is disabled.
+
+    wandb is imported here, not at the top: a run with ``logger=none`` needs no wandb installed.
+    """
+    if logger_cfg.mode == "disabled":
+        return NoRun()
+    import wandb
+
+    return wandb.init(
+        project=logger_cfg.project,
+        entity=logger_cfg.entity,
+        group=logger_cfg.group,
+        name=name,
+        tags=list(logger_cfg.tags),
+        mode=logger_cfg.mode,
+        dir=str(run_dir),
+        id=run_id,
+        resume="allow",
+        config=config,
+        # silent: W&B's own start and end messages are some 35 lines a run; wandb_line() is one
+        settings=wandb.Settings(silent=True),
+    )
 
 
 def wandb_line(run, mode: str) -> str:
@@ -447,19 +484,12 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         recorded.run_dir = str(run_dir)  # the resolved run directory: re-running this config resumes it
         header = f"# python train.py {' '.join(overrides)}\n# overrides: {json.dumps(overrides)}\n"
         atomic_write_bytes(run_dir / "config.yaml", (header + OmegaConf.to_yaml(recorded)).encode())
-        run = wandb.init(
-            project=cfg.logger.project,
-            entity=cfg.logger.entity,
-            group=cfg.logger.group,
+        run = open_run(
+            cfg.logger,
             name=cfg.logger.name or f"{cfg.name}/{run_dir.name}",
-            tags=list(cfg.logger.tags),
-            mode=cfg.logger.mode,
-            dir=str(run_dir),
-            id=progress.wandb_id,
-            resume="allow",
+            run_dir=run_dir,
+            run_id=progress.wandb_id,
             config={**config_dict, "backend": backend, "overrides": overrides},
-            # silent: W&B's own start and end messages are some 35 lines a run; wandb_line() is one
-            settings=wandb.Settings(silent=True),
         )
         progress.wandb_id = run.id
         log(describe(backend))

@@ -308,8 +308,9 @@ def check_train_config(cfg, check_paths: bool = True) -> None:
     Run at start-up, before a process group, a run directory, ``config.yaml`` or a W&B run exists, so a
     mistyped value costs nothing. Composition already checked the keys and their types
     (:func:`validate`); this checks what a type cannot say: choices, ranges, files that must exist, and
-    combinations that do not work together. ``check_paths=False`` skips the files and folders (for
-    composing documented commands whose paths are placeholders).
+    combinations that do not work together. ``check_paths=False`` skips what depends on this machine:
+    files and folders, and the wandb package an enabled logger needs (for composing documented commands
+    whose paths are placeholders).
     """
     for key, choices in TRAIN_CHOICES.items():
         _check_choice(cfg, key, choices)
@@ -361,6 +362,14 @@ def check_train_config(cfg, check_paths: bool = True) -> None:
         raise ConfigError(f"data.root={cfg.data.root}: no such directory")
     _check_file("resume", cfg.resume)
     _check_file("initial_checkpoint", cfg.initial_checkpoint)
+    if cfg.logger.mode != "disabled":
+        try:
+            import wandb  # noqa: F401  (only an enabled logger needs it; train.py imports it lazily)
+        except ImportError as e:
+            raise ConfigError(
+                f"logger.mode={cfg.logger.mode} needs the wandb package, which does not import here ({e}): "
+                f"install it (pip install wandb) or train without W&B: logger=none"
+            ) from e
 
 
 def check_eval_config(cfg, check_paths: bool = True) -> None:
