@@ -98,6 +98,7 @@ from gspn2.train.history import append_sweep_row, keep_top_k, summary_csv
 from gspn2.train.plotting import plot_curves
 from gspn2.train.rundir import RunDirError, RunDirLock, publish, recover, resume_point, set_aside
 from gspn2.train.runinfo import backend_info, describe, require_extension
+from gspn2.train.throughput import ThroughputMeter, format_duration, format_interval, run_figures
 
 register_configs()
 
@@ -153,7 +154,7 @@ def worker_count_note(num_workers: int) -> str | None:
 
 
 class NoRun:
-    """Stands in for the W&B run under ``logger.mode=disabled`` (``logger=none``), so wandb is not imported."""
+    """The W&B run under ``logger.mode=disabled`` (``logger=none``): does nothing, needs no wandb."""
 
     id = None
 
@@ -210,13 +211,17 @@ def train_one_epoch(
     progress: Progress,
     run,
     bar,
+    meter: ThroughputMeter,
+    num_epochs: int,
+    eval_s: float,
 ) -> torch.Tensor | None:
     """One epoch of optimisation: ``updates`` optimizer steps of ``trainer.accum_steps`` micro-batches.
 
-    Advances ``progress.step`` and ``progress.lr_steps``, logs every ``trainer.log_interval`` steps
-    (rank 0: ``run`` is the W&B run there). Returns this rank's sum of the per-step mean losses (a
-    float64 tensor on the device, not yet synchronised), or ``None`` when ``trainer.stop_after_steps``
-    ends the run inside the epoch.
+    Advances ``progress.step`` and ``progress.lr_steps``; ``meter`` counts the steps and the time spent
+    waiting for data. Every ``trainer.log_interval`` steps rank 0 prints a line (loss, lr, speed, memory,
+    ETA of the epoch and of the run, with ``eval_s`` per remaining evaluation) and logs it to ``run``.
+    Returns this rank's sum of the per-step mean losses (a float64 tensor on the device, not yet
+    synchronised), or ``None`` when ``trainer.stop_after_steps`` ends the run inside the epoch.
     """
     device, accum, precision = info.device, cfg.trainer.accum_steps, cfg.trainer.precision
     model, train_model, optimizer, ema = parts.model, parts.train_model, parts.optimizer, parts.ema
@@ -224,10 +229,15 @@ def train_one_epoch(
     mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
     train_model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    batches = iter(loader)
-    for _ in range(updates):
+    meter.start_epoch()
+    t_wait = time.perf_counter()
+    batches = iter(loader)  # starts the workers: loader time too
+    meter.waited(time.perf_counter() - t_wait)
+    for done in range(updates):
         for micro in range(accum):
+            t_wait = time.perf_counter()
             images, targets = next(batches)
+            meter.waited(time.perf_counter() - t_wait)
             images = images.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             if mixup_fn is not None:
@@ -259,12 +269,24 @@ def train_one_epoch(
         if ema is not None:
             ema.update(model, step=step)
         lr = optimizer.param_groups[0]["lr"]
+        meter.step()
         bar.update(1)
         progress.lr_steps.append(lr)
         if info.is_main and step % cfg.trainer.log_interval == 0:
+            speed = meter.interval()  # synchronises the device: once per log interval
             loss_now = loss.item()
+            left = updates - done - 1
+            eta_epoch = left * speed["step_s"]
+            later = num_epochs - epoch - 1  # epochs after this one; each evaluation costs about eval_s
+            eta_run = eta_epoch + later * updates * speed["step_s"] + (later + 1) * eval_s
             bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.2e}")
+            tqdm.write(  # above the progress bar when there is one
+                f"epoch {epoch + 1}/{num_epochs} step {done + 1}/{updates} | loss {loss_now:.4f} | "
+                f"lr {lr:.2e} | {format_interval(speed, device.type == 'cuda')} | "
+                f"ETA epoch {format_duration(eta_epoch)}, run {format_duration(eta_run)}"
+            )
             stats = {"train/loss": loss_now, "train/lr": lr, "epoch": step / updates}
+            stats |= {f"train/{k}": v for k, v in speed.items() if v is not None}
             if grad_norm is not None:
                 stats["train/grad_norm"] = grad_norm.item()
             run.log(stats, step=step)
@@ -509,6 +531,13 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         else f"train (label smoothing {cfg.aug.smoothing:g})" if cfg.aug.smoothing > 0
         else "train"
     )  # fmt: skip
+    meter = ThroughputMeter(device, global_batch, info.world_size)
+    eval_s = 0.0  # the last evaluation's time, for the ETA of the run
+    if cfg.trainer.compile:
+        log(
+            f"compiling the model with torch.compile(mode={cfg.trainer.compile_mode}): "
+            f"the first step can take minutes"
+        )
     try:
         for epoch in range(progress.epoch, num_epochs):
             t_epoch = time.perf_counter()
@@ -525,8 +554,9 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 mininterval=1.0,
             )
             loss_sum = train_one_epoch(
-                parts, train_loader, cfg, info, epoch, updates_per_epoch, progress, run, bar
-            )
+                parts, train_loader, cfg, info, epoch, updates_per_epoch, progress, run, bar,
+                meter=meter, num_epochs=num_epochs, eval_s=eval_s,
+            )  # fmt: skip
             bar.close()
             if loss_sum is None:  # trainer.stop_after_steps: leave without saving anything of this epoch
                 log(
@@ -547,12 +577,16 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                     f"{run_dir / 'last.pt'} holds the last finished epoch"
                 )
 
+            speed = meter.epoch()
+
             # ------------------------------------------------------------------------------------- eval
+            t_eval = time.perf_counter()
             ema = parts.ema
             val = evaluate(model, val_loader, info, precision, cfg.trainer.channels_last)
             ema_val = (
                 evaluate(ema.module, val_loader, info, precision, cfg.trainer.channels_last) if ema else None
             )
+            eval_s = time.perf_counter() - t_eval
             lr = progress.lr_steps[-1]  # the last step's (an epoch schedule has moved on since)
             record = {
                 "epoch": epoch + 1,
@@ -563,6 +597,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 "val_top5": val["top5"],
                 "val_loss": val["loss"],
                 "epoch_s": time.perf_counter() - t_epoch,
+                **speed,  # the training steps' speed (gspn2.train.throughput.TIMING_KEYS)
+                "eval_s": eval_s,
             }
             if ema_val is not None:
                 record.update(
@@ -608,6 +644,7 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                     "global_batch": global_batch,
                     "world_size": info.world_size,
                     "train_s": sum(h["epoch_s"] for h in progress.history),
+                    "speed": run_figures(progress.history),  # the training steps over all epochs
                     "run_dir": str(run_dir),
                     "checkpoint": str(run_dir / "last.pt"),
                     "top_k_epochs": kept,
@@ -625,6 +662,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 )
                 run.log(
                     {"epoch": epoch + 1, "train/epoch_loss": train_loss}
+                    | {f"epoch/{k}": v for k, v in speed.items() if v is not None}
+                    | {"epoch/eval_s": eval_s}
                     | {f"val/{k[len('val_') :]}": v for k, v in record.items() if k.startswith("val_")}
                     | {
                         f"val/ema_{k[len('ema_val_') :]}": v
@@ -637,7 +676,7 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 log(
                     f"epoch {epoch + 1:3d}/{num_epochs} | train loss {train_loss:.4f} | "
                     f"val top1 {val['top1']:6.2f} top5 {val['top5']:6.2f} loss {val['loss']:.4f}{ema_msg} | "
-                    f"lr {lr:.2e} | "
+                    f"lr {lr:.2e} | {format_interval(speed, device.type == 'cuda')} | "
                     f"{record['epoch_s']:.1f} s"
                 )
     except KeyboardInterrupt:
@@ -656,6 +695,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
             f"done: val top1 {results['val_top1']:.2f} (best {progress.best_top1:.2f} at epoch "
             f"{progress.best_epoch}), {results['train_s']:.0f} s of training"
         )
+        if results["speed"] is not None:
+            log(f"speed over the run's epochs: {format_interval(results['speed'], device.type == 'cuda')}")
         run.finish()
         log(wandb_line(run, cfg.logger.mode))
     destroy(info)
