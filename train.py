@@ -61,6 +61,7 @@ from gspn2.train.checkpoint import (
     CheckpointError,
     Progress,
     atomic_write_bytes,
+    load_checkpoint,
     restore_training_state,
     rng_state,
     save_checkpoint,
@@ -96,7 +97,15 @@ from gspn2.train.evaluate import autocast, evaluate
 from gspn2.train.finetune import load_initial_weights
 from gspn2.train.history import append_sweep_row, keep_top_k, summary_csv
 from gspn2.train.plotting import plot_curves
-from gspn2.train.rundir import RunDirError, RunDirLock, publish, recover, resume_point, set_aside
+from gspn2.train.rundir import (
+    ResumePoint,
+    RunDirError,
+    RunDirLock,
+    publish,
+    recover,
+    resume_point,
+    set_aside,
+)
 from gspn2.train.runinfo import backend_info, describe, require_extension
 from gspn2.train.throughput import ThroughputMeter, format_duration, format_interval, run_figures
 
@@ -214,26 +223,32 @@ def train_one_epoch(
     meter: ThroughputMeter,
     num_epochs: int,
     eval_s: float,
-) -> torch.Tensor | None:
+    start: int,
+    loss_sum: torch.Tensor,
+    save_recovery,
+) -> bool:
     """One epoch of optimisation: ``updates`` optimizer steps of ``trainer.accum_steps`` micro-batches.
 
-    Advances ``progress.step`` and ``progress.lr_steps``; ``meter`` counts the steps and the time spent
-    waiting for data. Every ``trainer.log_interval`` steps rank 0 prints a line (loss, lr, speed, memory,
-    ETA of the epoch and of the run, with ``eval_s`` per remaining evaluation) and logs it to ``run``.
-    Returns this rank's sum of the per-step mean losses (a float64 tensor on the device, not yet
-    synchronised), or ``None`` when ``trainer.stop_after_steps`` ends the run inside the epoch.
+    Runs steps ``start`` .. ``updates - 1`` (``start > 0``: resumed inside the epoch, the loader set to
+    skip what was consumed). Advances ``progress.step`` and ``progress.lr_steps`` and adds each step's
+    mean loss to ``loss_sum`` (this rank's, float64 on the device, not synchronised); ``meter`` counts the
+    steps and the time spent waiting for data. Every ``trainer.log_interval`` steps rank 0 prints a line
+    (loss, lr, speed, memory, ETA of the epoch and of the run, with ``eval_s`` per remaining evaluation)
+    and logs it to ``run``. Every ``trainer.checkpoint_every_steps`` steps but the epoch's last,
+    ``save_recovery(steps done in the epoch)`` writes the state. Returns False when
+    ``trainer.stop_after_steps`` ends the run inside the epoch, True when the epoch is complete.
     """
     device, accum, precision = info.device, cfg.trainer.accum_steps, cfg.trainer.precision
     model, train_model, optimizer, ema = parts.model, parts.train_model, parts.optimizer, parts.ema
     scaler, mixup_fn = parts.scaler, parts.mixup_fn
     mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
+    every = cfg.trainer.checkpoint_every_steps
     train_model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     meter.start_epoch()
     t_wait = time.perf_counter()
     batches = iter(loader)  # starts the workers: loader time too
     meter.waited(time.perf_counter() - t_wait)
-    for done in range(updates):
+    for done in range(start, updates):
         for micro in range(accum):
             t_wait = time.perf_counter()
             images, targets = next(batches)
@@ -290,16 +305,19 @@ def train_one_epoch(
             if grad_norm is not None:
                 stats["train/grad_norm"] = grad_norm.item()
             run.log(stats, step=step)
+        if every and step % every == 0 and done + 1 < updates:  # the epoch's end writes last.pt instead
+            save_recovery(done + 1)
         if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
-            return None  # crash simulation (resume tests)
-    return loss_sum
+            return False  # crash simulation (resume tests)
+    return True
 
 
 def publish_epoch(
     run_dir: Path, state: dict, results: dict, is_best: bool, title: str, train_label: str
 ) -> None:
     """Write the epoch's files as one set (:func:`gspn2.train.rundir.publish`): a crash leaves this set
-    or the previous one. ``best.pt`` is a copy of the staged ``last.pt`` when the epoch is the best."""
+    or the previous one. ``best.pt`` is a copy of the staged ``last.pt`` when the epoch is the best; the
+    epoch's ``recovery.pt``, older than the new ``last.pt``, goes in the same unit."""
     history = results["history"]
     epoch_files = {
         "last.pt": lambda path: save_checkpoint(state, path),
@@ -311,7 +329,28 @@ def publish_epoch(
     }
     if is_best:
         epoch_files["best.pt"] = "last.pt"
-    publish(run_dir, epoch_files, label=f"epoch {state['epoch']}")
+    publish(run_dir, epoch_files, remove=[RECOVERY_NAME], label=f"epoch {state['epoch']}")
+
+
+#: The mid-epoch recovery state in the run directory (trainer.checkpoint_every_steps).
+RECOVERY_NAME = "recovery.pt"
+
+
+def recovery_point(run_dir: Path, start: ResumePoint, log) -> tuple[ResumePoint, Path | None]:
+    """``run_dir/recovery.pt`` in place of ``start`` when it is further on (it always is, unless a run
+    directory was assembled by hand: the epoch's publication removes it), and a damaged recovery state
+    to set aside (the run then continues from ``start``, the last whole epoch)."""
+    path = run_dir / RECOVERY_NAME
+    if not path.exists():
+        return start, None
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as e:
+        log(f"note: {e}; continuing from {start.path or 'scratch'} instead")
+        return start, path
+    if start.state is not None and state["step"] <= start.state["step"]:
+        return start, None
+    return ResumePoint(path, state, damaged_last=start.damaged_last), None
 
 
 def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
@@ -358,6 +397,7 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         raise refused
     own_last = run_dir / "last.pt"
     start_point = resume_point(run_dir, cfg.resume)  # verified; a damaged last.pt stops here
+    start_point, damaged_recovery = recovery_point(run_dir, start_point, log)
     ckpt_path = start_point.path
 
     # ------------------------------------------------------------------------------------------- data
@@ -448,6 +488,7 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
 
     # ------------------------------------------------------------------------------------------ resume
     progress = Progress()
+    mid_epoch = None  # where inside its epoch a recovery state stopped
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     if ckpt_path is not None:
         ckpt, start_point.state = start_point.state, None
@@ -472,10 +513,18 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, this run has "
                 f"{info.world_size}: random streams restart from seed {cfg.seed} + rank"
             )
-        if ckpt_path != own_last:
+        if ckpt_path not in (own_last, run_dir / RECOVERY_NAME):
             progress.wandb_id = None  # another run's checkpoint: a new W&B run
+        mid_epoch = ckpt.get("mid_epoch")
+        if mid_epoch is not None and len(mid_epoch["loss_sums"]) != info.world_size:
+            raise CheckpointError(
+                f"{ckpt_path} stopped inside epoch {progress.epoch + 1} with {len(mid_epoch['loss_sums'])} "
+                f"processes; resume it with as many, or continue from the last whole epoch: resume={own_last}"
+            )
         log(
-            f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step}"
+            f"resumed from {ckpt_path}: epoch {progress.epoch}"
+            + (f" + {mid_epoch['step']} steps" if mid_epoch is not None else "")
+            + f", step {progress.step}"
             + (" (fresh optimizer state: trainer.no_resume_opt)" if cfg.trainer.no_resume_opt else "")
         )
         del ckpt
@@ -502,6 +551,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         if start_point.damaged_last is not None:
             kept = set_aside(start_point.damaged_last)
             log(f"note: the damaged {start_point.damaged_last} is kept as {kept}; resuming {ckpt_path}")
+        if damaged_recovery is not None:
+            log(f"note: the damaged {damaged_recovery} is kept as {set_aside(damaged_recovery)}")
         recorded = OmegaConf.create(config_dict)
         recorded.run_dir = str(run_dir)  # the resolved run directory: re-running this config resumes it
         header = f"# python train.py {' '.join(overrides)}\n# overrides: {json.dumps(overrides)}\n"
@@ -541,11 +592,13 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
     try:
         for epoch in range(progress.epoch, num_epochs):
             t_epoch = time.perf_counter()
-            train_loader.sampler.set_epoch(epoch)
+            start = mid_epoch["step"] if mid_epoch is not None else 0  # steps done before a resume
+            train_loader.sampler.set_epoch(epoch, start_step=start * accum)
             train_loader.generator.manual_seed(cfg.seed + 100_003 * info.rank + epoch)  # DataLoader workers
             reset_skipped(train_set)
             reset_skipped(val_set)
             bar = tqdm(
+                initial=start,
                 total=updates_per_epoch,
                 desc=f"epoch {epoch + 1}/{num_epochs}",
                 leave=False,
@@ -553,15 +606,41 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 dynamic_ncols=True,
                 mininterval=1.0,
             )
-            loss_sum = train_one_epoch(
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            elapsed_before = 0.0  # of this epoch, before a resume inside it
+            if mid_epoch is not None:
+                loss_sum += mid_epoch["loss_sums"][info.rank]
+                elapsed_before = mid_epoch["elapsed_s"]
+                mid_epoch = None
+
+            def save_recovery(steps_done: int) -> None:
+                """recovery.pt: the whole state after ``steps_done`` steps of this epoch (atomic write)."""
+                rng = all_gather_object(rng_state(device), info)
+                sums = all_gather_object(loss_sum.item(), info)
+                if master:
+                    position = {
+                        "step": steps_done,
+                        "loss_sums": torch.tensor(sums, dtype=torch.float64),
+                        "elapsed_s": elapsed_before + time.perf_counter() - t_epoch,
+                    }
+                    state = training_state(
+                        parts, progress, model_name=cfg.model.name, classes=class_names(train_set),
+                        rng=rng, config=config_dict, mid_epoch=position,
+                    )  # fmt: skip
+                    save_checkpoint(state, run_dir / RECOVERY_NAME)
+
+            finished = train_one_epoch(
                 parts, train_loader, cfg, info, epoch, updates_per_epoch, progress, run, bar,
-                meter=meter, num_epochs=num_epochs, eval_s=eval_s,
+                meter=meter, num_epochs=num_epochs, eval_s=eval_s, start=start, loss_sum=loss_sum,
+                save_recovery=save_recovery,
             )  # fmt: skip
             bar.close()
-            if loss_sum is None:  # trainer.stop_after_steps: leave without saving anything of this epoch
+            if not finished:  # trainer.stop_after_steps: leave as a crash would, saving nothing more
+                recovery = run_dir / RECOVERY_NAME
                 log(
                     f"stopped after {progress.step} steps (trainer.stop_after_steps); "
                     f"last saved: epoch {progress.epoch}"
+                    + (f", and {recovery} inside epoch {progress.epoch + 1}" if recovery.exists() else "")
                 )
                 if run is not None:
                     run.finish(exit_code=1)
@@ -596,7 +675,7 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 "val_top1": val["top1"],
                 "val_top5": val["top5"],
                 "val_loss": val["loss"],
-                "epoch_s": time.perf_counter() - t_epoch,
+                "epoch_s": elapsed_before + time.perf_counter() - t_epoch,
                 **speed,  # the training steps' speed (gspn2.train.throughput.TIMING_KEYS)
                 "eval_s": eval_s,
             }
@@ -683,6 +762,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         last = run_dir / "last.pt"
         if master:
             saved = f"the last checkpoint is {last}" if last.exists() else "no epoch finished, nothing saved"
+            if (run_dir / RECOVERY_NAME).exists():
+                saved += f", and {run_dir / RECOVERY_NAME} holds the state inside the epoch after it"
             print(f"\ninterrupted: {saved}; resume with: {resume_command(overrides, run_dir)}", file=sys.stderr)
             if run is not None:
                 run.finish(exit_code=130)

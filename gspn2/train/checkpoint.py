@@ -16,6 +16,9 @@ A checkpoint is one ``torch.save`` dict of plain containers and tensors (loadabl
     rng          one entry per rank: python, numpy, torch, cuda generator states
     config       the resolved training config (dict)
     wandb_id     the W&B run id, so a resumed run appends to the same W&B run
+    mid_epoch    None after a whole epoch; in a recovery state written inside epoch ``epoch + 1``:
+                 {"step": its optimizer steps done, "loss_sums": per-rank float64 sums of their losses,
+                 "elapsed_s": its wall time so far}
 
 Entries beyond these are allowed and covered by the integrity digest like the rest.
 """
@@ -271,12 +274,20 @@ class Progress:
 
 
 def training_state(
-    parts, progress: Progress, *, model_name: str, classes: list[str], rng: list, config: dict
+    parts,
+    progress: Progress,
+    *,
+    model_name: str,
+    classes: list[str],
+    rng: list,
+    config: dict,
+    mid_epoch: dict | None = None,
 ) -> dict[str, Any]:
     """The resumable state of a run (the layout of this module's docstring).
 
     ``parts`` holds ``model``, ``ema`` (or None), ``optimizer``, ``scheduler`` and ``scaler``
-    (:class:`gspn2.train.build.TrainParts`); ``rng`` has one :func:`rng_state` per rank.
+    (:class:`gspn2.train.build.TrainParts`); ``rng`` has one :func:`rng_state` per rank; ``mid_epoch``
+    is the position inside an unfinished epoch (None at an epoch's end).
     """
     ema = parts.ema
     return {
@@ -298,6 +309,7 @@ def training_state(
         "config": config,
         "wandb_id": progress.wandb_id,
         "lr_steps": torch.tensor(progress.lr_steps, dtype=torch.float64),
+        "mid_epoch": mid_epoch,
     }
 
 

@@ -135,12 +135,14 @@ class TrainerConfig:
     tf32: bool = True
     cpu_threads: Optional[int] = None  # torch intra-op threads on CPU runs (null: torch's default)
     dist_backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
-    log_interval: int = 50  # optimizer steps between W&B train logs
+    log_interval: int = 50  # optimizer steps between the log's speed lines (and W&B train logs)
     limit_train_steps: Optional[int] = None  # cap optimizer steps per epoch (smoke tests)
     stop_after_steps: Optional[int] = None  # stop abruptly after this many steps in total (crash test)
     progress: bool = True  # tqdm progress bar on rank 0 (shown only when stderr is a terminal)
     no_resume_opt: bool = False  # resume weights, EMA, epoch and history, but start a fresh optimizer state
     checkpoint_hist: int = 0  # keep the k best epochs as checkpoint-<epoch>.pt (0: only last.pt and best.pt)
+    # every this many optimizer steps inside an epoch, write recovery.pt (resumable mid-epoch); 0: off
+    checkpoint_every_steps: int = 0
 
 
 @dataclass
@@ -262,7 +264,7 @@ TRAIN_POSITIVE = (
 #: ... and those that must be >= 0.
 TRAIN_NON_NEGATIVE = (
     "data.num_workers", "sched.warmup_epochs", "sched.cooldown_epochs", "ema.mesa_start_epoch",
-    "trainer.checkpoint_hist", "optim.weight_decay", "sched.warmup_lr", "sched.min_lr", "ema.mesa_weight",
+    "trainer.checkpoint_hist", "trainer.checkpoint_every_steps", "optim.weight_decay", "sched.warmup_lr", "sched.min_lr", "ema.mesa_weight",
     "aug.mixup", "aug.cutmix",
 )  # fmt: skip
 #: Probabilities and fractions: ``key -> (low, high, high_inclusive)``, low always inclusive.

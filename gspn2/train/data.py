@@ -13,6 +13,7 @@ readable image of the folder (batches keep their size), a validation sample is d
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import struct
 import tempfile
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data import create_transform
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate, get_worker_info
 from torchvision.datasets import ImageFolder
 
 from gspn2.train.checkpoint import umask_mode
@@ -44,6 +45,7 @@ __all__ = [
     "build_transform",
     "build_dataset",
     "ShardedBatchSampler",
+    "SeededSamples",
     "build_train_loader",
     "build_eval_loader",
     "steps_per_epoch",
@@ -361,6 +363,7 @@ class ShardedBatchSampler(Sampler[int]):
         self.shuffle = shuffle
         self.repeats = repeats
         self.epoch = 0
+        self.start_step = 0
         self.num_steps = num_samples // (batch_size * world_size)
         if self.num_steps == 0:
             raise DataError(
@@ -368,13 +371,20 @@ class ShardedBatchSampler(Sampler[int]):
                 f"({world_size} x {batch_size}); lower data.batch_size"
             )
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Iterate epoch ``epoch`` from batch ``start_step`` on (a resume inside the epoch skips the
+        batches it consumed before)."""
+        if not 0 <= start_step < self.num_steps:
+            raise ValueError(f"start_step must be in [0, {self.num_steps}); got {start_step}")
         self.epoch = epoch
+        self.start_step = start_step
 
     def __len__(self) -> int:
-        return self.num_steps * self.batch_size
+        return (self.num_steps - self.start_step) * self.batch_size
 
-    def __iter__(self) -> Iterator[int]:
+    def positions(self) -> Iterator[tuple[int, int]]:
+        """``(index, position)`` pairs: ``position`` is the sample's place in the epoch's global order,
+        the same for any number of processes."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_samples, generator=g)
@@ -383,9 +393,67 @@ class ShardedBatchSampler(Sampler[int]):
         if self.repeats > 1:
             order = order.repeat_interleave(self.repeats)[: self.num_samples]
         global_batch = self.batch_size * self.world_size
-        for step in range(self.num_steps):
+        for step in range(self.start_step, self.num_steps):
             start = step * global_batch + self.rank * self.batch_size
-            yield from order[start : start + self.batch_size].tolist()
+            indices = order[start : start + self.batch_size].tolist()
+            yield from zip(indices, range(start, start + self.batch_size))
+
+    def __iter__(self) -> Iterator[int]:
+        return (index for index, _ in self.positions())
+
+
+class _SeededOrder(Sampler):
+    """:class:`ShardedBatchSampler`'s order as the ``(index, (seed, epoch, position))`` keys that
+    :class:`SeededSamples` reads."""
+
+    def __init__(self, sampler: ShardedBatchSampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_step)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        s = self.sampler
+        return ((index, (s.seed, s.epoch, position)) for index, position in s.positions())
+
+
+class SeededSamples(Dataset):
+    """Draws each training sample's augmentation from its own seed, ``(seed, epoch, position in the
+    epoch)``.
+
+    The random streams of the transforms (python ``random``, numpy, torch) are seeded per sample, so a
+    sample's augmentation does not depend on which worker loads it, on the number of workers or
+    processes, or on where the loader started: a resume inside an epoch draws the same augmentations as
+    the uninterrupted run. In the main process (``num_workers=0``) the global streams are restored after
+    each sample, so the trainer's own (dropout, mixup) are not disturbed.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, (seed, epoch, position) = key
+        words = np.random.SeedSequence([seed, epoch, position]).generate_state(2)
+        in_main = get_worker_info() is None
+        if in_main:
+            saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        random.seed(int(words[0]))
+        np.random.seed(int(words[1]))
+        # the CPU generator only: torch.manual_seed would also reseed the trainer's CUDA generators
+        torch.random.default_generator.manual_seed(int(words[0]) << 32 | int(words[1]))
+        try:
+            return self.dataset[index]
+        finally:
+            if in_main:
+                random.setstate(saved[0])
+                np.random.set_state(saved[1])
+                torch.set_rng_state(saved[2])
 
 
 def build_train_loader(
@@ -400,13 +468,13 @@ def build_train_loader(
 ) -> DataLoader:
     sampler = ShardedBatchSampler(len(dataset), batch_size, world_size, rank, seed, repeats=repeats)
     return DataLoader(
-        dataset,
+        SeededSamples(dataset),  # augmentation seeded per sample: reproducible from any step of an epoch
         batch_size=batch_size,
-        sampler=sampler,
+        sampler=_SeededOrder(sampler),
         drop_last=True,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        # seeded per epoch by the trainer, so worker augmentation streams survive a resume
+        # the workers' base seeds, set per epoch by the trainer (their augmentations are seeded per sample)
         generator=torch.Generator(),
     )
 
