@@ -20,15 +20,16 @@ from tests.train._helpers import TINY, compose_cfg, flip_tensor_byte
 STEP_LINE = re.compile(r"^epoch (\d)/2 step (\d)/4 \| loss (\S+) \| lr (\S+) \|")
 
 
-def _overrides(digits_root, run_dir, *extra):
-    # 4 steps per epoch, 2 epochs; random crops and erasing in a DataLoader worker, mixup and drop-path
-    # in the main process, EMA: a resume that lost any of them would not reproduce the uninterrupted run
+def _overrides(digits_root, run_dir, workers, *extra):
+    # 4 steps per epoch, 2 epochs; random crops and erasing (in a DataLoader worker, or in the main
+    # process with 0 workers), mixup and drop-path, EMA: a resume that lost any of them would not
+    # reproduce the uninterrupted run
     return [
         *TINY,
         f"data.root={digits_root}",
         f"run_dir={run_dir}",
         "trainer.epochs=2",
-        "data.num_workers=1",
+        f"data.num_workers={workers}",
         "model.drop_path_rate=0.1",
         "aug.mixup=0.5",
         "aug.reprob=0.5",
@@ -53,18 +54,20 @@ def _history(run_dir):
     return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 1])
 def test_resume_from_a_recovery_state_is_bitwise_the_uninterrupted_run(
-    digits_root, train_script, tmp_path, capsys
+    workers, digits_root, train_script, tmp_path, capsys
 ):
     full = tmp_path / "full"
-    train_script.train(compose_cfg(_overrides(digits_root, full)))
+    train_script.train(compose_cfg(_overrides(digits_root, full, workers)))
     full_steps = _steps(capsys.readouterr().out)
     assert sorted(full_steps) == list(range(1, 9))
     assert not (full / "recovery.pt").exists()  # each epoch's publication removes the one inside it
 
     # recovery states at steps 3 (epoch 1) and 6 (epoch 2, its second step); the "crash" comes at step 7
     crashed = tmp_path / "crashed"
-    train_script.train(compose_cfg(_overrides(digits_root, crashed, "trainer.stop_after_steps=7")))
+    train_script.train(compose_cfg(_overrides(digits_root, crashed, workers, "trainer.stop_after_steps=7")))
     capsys.readouterr()
     recovery = load_checkpoint(crashed / "recovery.pt")
     assert (recovery["epoch"], recovery["step"], recovery["mid_epoch"]["step"]) == (1, 6, 2)
@@ -73,7 +76,7 @@ def test_resume_from_a_recovery_state_is_bitwise_the_uninterrupted_run(
     damaged = tmp_path / "damaged"
     shutil.copytree(crashed, damaged)
 
-    train_script.train(compose_cfg(_overrides(digits_root, crashed)))  # the same command again
+    train_script.train(compose_cfg(_overrides(digits_root, crashed, workers)))  # the same command again
     out = capsys.readouterr().out
     assert f"resumed from {crashed / 'recovery.pt'}: epoch 1 + 2 steps, step 6" in out
     resumed_steps = _steps(out)
@@ -95,7 +98,7 @@ def test_resume_from_a_recovery_state_is_bitwise_the_uninterrupted_run(
 
     # a damaged recovery state: said, kept aside, and the run goes on from the last whole epoch
     flip_tensor_byte(damaged / "recovery.pt")
-    train_script.train(compose_cfg(_overrides(digits_root, damaged)))
+    train_script.train(compose_cfg(_overrides(digits_root, damaged, workers)))
     out = capsys.readouterr().out
     assert "fails its integrity check" in out and f"continuing from {damaged / 'last.pt'} instead" in out
     assert f"resumed from {damaged / 'last.pt'}: epoch 1, step 4" in out
@@ -103,7 +106,7 @@ def test_resume_from_a_recovery_state_is_bitwise_the_uninterrupted_run(
     assert _history(damaged) == _history(full)
 
 
-def test_seeded_samples_draw_from_their_key_and_leave_the_main_streams_alone():
+def test_seeded_samples_draw_from_their_key_in_workers_and_from_the_main_streams_otherwise(monkeypatch):
     class Draw(torch.utils.data.Dataset):
         def __len__(self):
             return 4
@@ -111,20 +114,23 @@ def test_seeded_samples_draw_from_their_key_and_leave_the_main_streams_alone():
         def __getitem__(self, index):
             return index, random.random(), float(np.random.rand()), torch.rand(()).item()
 
+    def seed_all(seed):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+
     samples = SeededSamples(Draw())
-    torch.manual_seed(5)
-    random.seed(5)
-    np.random.seed(5)
-    before = random.random(), float(np.random.rand()), torch.rand(()).item()
-    torch.manual_seed(5)
-    random.seed(5)
-    np.random.seed(5)
+    seed_all(5)
+    expected = Draw()[2]
+    seed_all(5)
+    assert samples[(2, (0, 1, 17))] == expected  # main process: the trainer's streams, as without it
+
+    monkeypatch.setattr("gspn2.train.data.get_worker_info", lambda: object())  # as in a worker
     first = samples[(2, (0, 1, 17))]
-    again = samples[(2, (0, 1, 17))]
-    after = random.random(), float(np.random.rand()), torch.rand(()).item()
-    assert first == again  # the same key, the same draws
+    seed_all(6)
+    assert samples[(2, (0, 1, 17))] == first  # the key alone decides
     assert samples[(2, (0, 1, 18))][1:] != first[1:] and samples[(2, (0, 2, 17))][1:] != first[1:]
-    assert after == before  # the main process's streams went on as if no sample had been drawn
+    assert first[1:] != expected[1:]
 
 
 def test_checkpoint_every_steps_is_checked():
