@@ -37,8 +37,6 @@ from pathlib import Path
 import hydra
 import numpy as np
 import torch
-import torch.nn as nn
-import wandb
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -50,6 +48,7 @@ from tqdm import tqdm
 import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
 from gspn2.counting import count_model
 from gspn2.train.build import (
+    TrainParts,
     build_mixup_and_loss,
     build_model,
     build_optimizer,
@@ -59,13 +58,15 @@ from gspn2.train.build import (
     lr_scale as lr_scale_of,
 )
 from gspn2.train.checkpoint import (
-    CHECKPOINT_FORMAT,
     CheckpointError,
+    Progress,
     atomic_write_bytes,
-    load_model_state,
+    load_checkpoint,
+    restore_training_state,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    training_state,
 )
 from gspn2.train.config import ConfigError, TrainConfig, check_train_config, register_configs, validate
 from gspn2.train.data import (
@@ -97,8 +98,17 @@ from gspn2.train.evaluate import autocast, evaluate
 from gspn2.train.finetune import load_initial_weights
 from gspn2.train.history import append_sweep_row, keep_top_k, summary_csv
 from gspn2.train.plotting import plot_curves
-from gspn2.train.rundir import RunDirError, RunDirLock, publish, recover, resume_point, set_aside
+from gspn2.train.rundir import (
+    ResumePoint,
+    RunDirError,
+    RunDirLock,
+    publish,
+    recover,
+    resume_point,
+    set_aside,
+)
 from gspn2.train.runinfo import backend_info, describe, require_extension
+from gspn2.train.throughput import ThroughputMeter, format_duration, format_interval, run_figures
 
 register_configs()
 
@@ -153,6 +163,44 @@ def worker_count_note(num_workers: int) -> str | None:
     return f"note: data.num_workers={num_workers} loader processes share {cores} CPU core(s): expect contention"
 
 
+class NoRun:
+    """The W&B run under ``logger.mode=disabled`` (``logger=none``): does nothing, needs no wandb."""
+
+    id = None
+
+    def log(self, data: dict, step: int | None = None) -> None:
+        pass
+
+    def finish(self, exit_code: int | None = None) -> None:
+        pass
+
+
+def open_run(logger_cfg, name: str, run_dir: Path, run_id: str | None, config: dict):
+    """The W&B run ``name`` of ``logger.*`` (continuing ``run_id`` when given), files under ``run_dir``;
+    a :class:`NoRun` when the logger is disabled.
+
+    wandb is imported here, not at the top: a run with ``logger=none`` needs no wandb installed.
+    """
+    if logger_cfg.mode == "disabled":
+        return NoRun()
+    import wandb
+
+    return wandb.init(
+        project=logger_cfg.project,
+        entity=logger_cfg.entity,
+        group=logger_cfg.group,
+        name=name,
+        tags=list(logger_cfg.tags),
+        mode=logger_cfg.mode,
+        dir=str(run_dir),
+        id=run_id,
+        resume="allow",
+        config=config,
+        # silent: W&B's own start and end messages are some 35 lines a run; wandb_line() is one
+        settings=wandb.Settings(silent=True),
+    )
+
+
 def wandb_line(run, mode: str) -> str:
     """The one line said about the W&B run at the end."""
     if mode == "disabled":
@@ -161,6 +209,149 @@ def wandb_line(run, mode: str) -> str:
     if mode == "offline":
         return f"wandb: offline run {run.id} in {where} (upload: wandb sync {where})"
     return f"wandb: run {run.id} at {run.url}, local files in {where}"
+
+
+def train_one_epoch(
+    parts: TrainParts,
+    loader,
+    cfg: DictConfig,
+    info,
+    epoch: int,
+    updates: int,
+    progress: Progress,
+    run,
+    bar,
+    meter: ThroughputMeter,
+    num_epochs: int,
+    eval_s: float,
+    start: int,
+    loss_sum: torch.Tensor,
+    save_recovery,
+) -> bool:
+    """One epoch of optimisation: ``updates`` optimizer steps of ``trainer.accum_steps`` micro-batches.
+
+    Runs steps ``start`` .. ``updates - 1`` (``start > 0``: resumed inside the epoch, the loader set to
+    skip what was consumed). Advances ``progress.step`` and ``progress.lr_steps`` and adds each step's
+    mean loss to ``loss_sum`` (this rank's, float64 on the device, not synchronised); ``meter`` counts the
+    steps and the time spent waiting for data. Every ``trainer.log_interval`` steps rank 0 prints a line
+    (loss, lr, speed, memory, ETA of the epoch and of the run, with ``eval_s`` per remaining evaluation)
+    and logs it to ``run``. Every ``trainer.checkpoint_every_steps`` steps but the epoch's last,
+    ``save_recovery(steps done in the epoch)`` writes the state. Returns False when
+    ``trainer.stop_after_steps`` ends the run inside the epoch, True when the epoch is complete.
+    """
+    device, accum, precision = info.device, cfg.trainer.accum_steps, cfg.trainer.precision
+    model, train_model, optimizer, ema = parts.model, parts.train_model, parts.optimizer, parts.ema
+    scaler, mixup_fn = parts.scaler, parts.mixup_fn
+    mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
+    every = cfg.trainer.checkpoint_every_steps
+    train_model.train()
+    meter.start_epoch()
+    t_wait = time.perf_counter()
+    batches = iter(loader)  # starts the workers: loader time too
+    meter.waited(time.perf_counter() - t_wait)
+    for done in range(start, updates):
+        for micro in range(accum):
+            t_wait = time.perf_counter()
+            images, targets = next(batches)
+            meter.waited(time.perf_counter() - t_wait)
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            if mixup_fn is not None:
+                images, targets = mixup_fn(images, targets)
+            if cfg.trainer.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            last_micro = micro == accum - 1
+            no_sync = train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
+            with no_sync:
+                with autocast(device, precision):
+                    logits = train_model(images)
+                    loss = parts.loss_fn(logits, targets)
+                    if mesa_on:
+                        with torch.no_grad():
+                            teacher = ema.module(images).float().softmax(dim=-1)
+                        loss = loss + cfg.ema.mesa_weight * parts.distill_loss_fn(logits.float(), teacher)
+                scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach().double() / accum
+        grad_norm = None
+        if cfg.optim.clip_grad is not None:
+            scaler.unscale_(optimizer)
+            grad_norm = clip_gradients(model, cfg.optim.clip_grad, cfg.optim.clip_mode)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        progress.step += 1
+        step = progress.step
+        parts.scheduler.step_update(num_updates=step)
+        if ema is not None:
+            ema.update(model, step=step)
+        lr = optimizer.param_groups[0]["lr"]
+        meter.step()
+        bar.update(1)
+        progress.lr_steps.append(lr)
+        if info.is_main and step % cfg.trainer.log_interval == 0:
+            speed = meter.interval()  # synchronises the device: once per log interval
+            loss_now = loss.item()
+            left = updates - done - 1
+            eta_epoch = left * speed["step_s"]
+            later = num_epochs - epoch - 1  # epochs after this one; each evaluation costs about eval_s
+            eta_run = eta_epoch + later * updates * speed["step_s"] + (later + 1) * eval_s
+            bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.2e}")
+            tqdm.write(  # above the progress bar when there is one
+                f"epoch {epoch + 1}/{num_epochs} step {done + 1}/{updates} | loss {loss_now:.4f} | "
+                f"lr {lr:.2e} | {format_interval(speed, device.type == 'cuda')} | "
+                f"ETA epoch {format_duration(eta_epoch)}, run {format_duration(eta_run)}"
+            )
+            stats = {"train/loss": loss_now, "train/lr": lr, "epoch": step / updates}
+            stats |= {f"train/{k}": v for k, v in speed.items() if v is not None}
+            if grad_norm is not None:
+                stats["train/grad_norm"] = grad_norm.item()
+            run.log(stats, step=step)
+        if every and step % every == 0 and done + 1 < updates:  # the epoch's end writes last.pt instead
+            save_recovery(done + 1)
+        if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
+            return False  # crash simulation (resume tests)
+    return True
+
+
+def publish_epoch(
+    run_dir: Path, state: dict, results: dict, is_best: bool, title: str, train_label: str
+) -> None:
+    """Write the epoch's files as one set (:func:`gspn2.train.rundir.publish`): a crash leaves this set
+    or the previous one. ``best.pt`` is a copy of the staged ``last.pt`` when the epoch is the best; the
+    epoch's ``recovery.pt``, older than the new ``last.pt``, goes in the same unit."""
+    history = results["history"]
+    epoch_files = {
+        "last.pt": lambda path: save_checkpoint(state, path),
+        "results.json": lambda path: atomic_write_bytes(path, json.dumps(results, indent=2).encode()),
+        "summary.csv": lambda path: atomic_write_bytes(path, summary_csv(history)),
+        "curves.png": lambda path: plot_curves(
+            history, path, title=title, train_label=train_label, lr_steps=state["lr_steps"].tolist()
+        ),
+    }
+    if is_best:
+        epoch_files["best.pt"] = "last.pt"
+    publish(run_dir, epoch_files, remove=[RECOVERY_NAME], label=f"epoch {state['epoch']}")
+
+
+#: The mid-epoch recovery state in the run directory (trainer.checkpoint_every_steps).
+RECOVERY_NAME = "recovery.pt"
+
+
+def recovery_point(run_dir: Path, start: ResumePoint, log) -> tuple[ResumePoint, Path | None]:
+    """``run_dir/recovery.pt`` in place of ``start`` when it is further on (it always is, unless a run
+    directory was assembled by hand: the epoch's publication removes it), and a damaged recovery state
+    to set aside (the run then continues from ``start``, the last whole epoch)."""
+    path = run_dir / RECOVERY_NAME
+    if not path.exists():
+        return start, None
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as e:
+        log(f"note: {e}; continuing from {start.path or 'scratch'} instead")
+        return start, path
+    if start.state is not None and state["step"] <= start.state["step"]:
+        return start, None
+    return ResumePoint(path, state, damaged_last=start.damaged_last), None
 
 
 def train(cfg: DictConfig, overrides: list[str] | None = None) -> Path:
@@ -207,6 +398,7 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         raise refused
     own_last = run_dir / "last.pt"
     start_point = resume_point(run_dir, cfg.resume)  # verified; a damaged last.pt stops here
+    start_point, damaged_recovery = recovery_point(run_dir, start_point, log)
     ckpt_path = start_point.path
 
     # ------------------------------------------------------------------------------------------- data
@@ -282,53 +474,32 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
     scheduler, num_epochs = build_scheduler(
         cfg.sched, optimizer, cfg.trainer.epochs, lr_scale, updates_per_epoch
     )
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
     mixup_fn, train_loss_fn = build_mixup_and_loss(cfg.aug, cfg.data.num_classes)
-    distill_loss_fn = SoftTargetCrossEntropy()  # MESA: cross-entropy to the EMA teacher's probabilities
+    parts = TrainParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
+        ema=ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None,
+        mixup_fn=mixup_fn,
+        loss_fn=train_loss_fn,
+        distill_loss_fn=SoftTargetCrossEntropy(),
+    )
 
     # ------------------------------------------------------------------------------------------ resume
-    start_epoch, step, best_top1, best_epoch, history, wandb_id = 0, 0, -math.inf, 0, [], None
-    lr_steps: list[float] = []  # the lr of every optimizer step, for curves.png
+    progress = Progress()
+    mid_epoch = None  # where inside its epoch a recovery state stopped
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     if ckpt_path is not None:
         ckpt, start_point.state = start_point.state, None
-        old_optim = ckpt["config"].get("optim", {}).get("name")
-        if old_optim != cfg.optim.name and not cfg.trainer.no_resume_opt:
-            raise CheckpointError(
-                f"{ckpt_path} was trained with optim={old_optim}, this run asks for optim={cfg.optim.name}: "
-                f"add trainer.no_resume_opt=true to keep the weights and start a fresh {cfg.optim.name} state"
-            )
-        load_model_state(model, ckpt["model"], ckpt_path)
-        if ema is not None:
-            if ckpt.get("ema") is None:
-                raise CheckpointError(
-                    f"checkpoint {str(ckpt_path)!r} has no EMA weights; resume with "
-                    f"ema.enabled=false or start a new run"
-                )
-            load_model_state(ema.module, ckpt["ema"], ckpt_path, what="EMA")
-        if not cfg.trainer.no_resume_opt:
-            # the checkpoint's moments, but this config's hyperparameters (weight decay, betas, ...)
-            fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            try:
-                optimizer.load_state_dict(ckpt["optimizer"])
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(
-                    f"the optimizer state in {str(ckpt_path)!r} does not fit optim={cfg.optim.name} "
-                    f"({e}); add trainer.no_resume_opt=true to start a fresh optimizer state"
-                ) from e
-            for group, own in zip(optimizer.param_groups, fresh):
-                group.update(own)
-            if ckpt.get("scaler"):
-                scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, step = ckpt["epoch"], ckpt["step"]
-        best_top1, best_epoch, history = ckpt["best_top1"], ckpt["best_epoch"], ckpt["history"]
-        lr_steps = ckpt["lr_steps"].tolist() if "lr_steps" in ckpt else []
-        # the schedule is this config's (e.g. more epochs), evaluated where the checkpoint stopped
-        if cfg.sched.step_on_epochs:
-            scheduler.step(start_epoch)
-        else:
-            scheduler.step_update(num_updates=step)
+        progress = restore_training_state(
+            ckpt,
+            ckpt_path,
+            parts,
+            optim_name=cfg.optim.name,
+            fresh_optimizer=cfg.trainer.no_resume_opt,
+            step_on_epochs=cfg.sched.step_on_epochs,
+        )
         changes = config_changes(
             {k: v for k, v in ckpt["config"].items() if k not in ("run_dir", "resume")},
             {k: v for k, v in config_dict.items() if k not in ("run_dir", "resume")},
@@ -342,26 +513,33 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 f"note: {ckpt_path} was written by {len(ckpt['rng'])} processes, this run has "
                 f"{info.world_size}: random streams restart from seed {cfg.seed} + rank"
             )
-        if ckpt_path == own_last:
-            wandb_id = ckpt["wandb_id"]  # the same run continues: append to its W&B run
+        if ckpt_path not in (own_last, run_dir / RECOVERY_NAME):
+            progress.wandb_id = None  # another run's checkpoint: a new W&B run
+        mid_epoch = ckpt.get("mid_epoch")
+        if mid_epoch is not None and len(mid_epoch["loss_sums"]) != info.world_size:
+            raise CheckpointError(
+                f"{ckpt_path} stopped inside epoch {progress.epoch + 1} with {len(mid_epoch['loss_sums'])} "
+                f"processes; resume it with as many, or continue from the last whole epoch: resume={own_last}"
+            )
         log(
-            f"resumed from {ckpt_path}: epoch {start_epoch}, step {step}"
+            f"resumed from {ckpt_path}: epoch {progress.epoch}"
+            + (f" + {mid_epoch['step']} steps" if mid_epoch is not None else "")
+            + f", step {progress.step}"
             + (" (fresh optimizer state: trainer.no_resume_opt)" if cfg.trainer.no_resume_opt else "")
         )
         del ckpt
 
-    if start_epoch >= num_epochs:
+    if progress.epoch >= num_epochs:
         log(f"{ckpt_path} already holds all {num_epochs} epochs: nothing to train, nothing rewritten")
         destroy(info)
         log(run_dir)
         return run_dir
 
-    train_model: nn.Module = model
     if cfg.trainer.compile:
-        train_model = compile_model(train_model, cfg.trainer.compile_mode, cfg.trainer.compile_lean_memory)
+        parts.train_model = compile_model(model, cfg.trainer.compile_mode, cfg.trainer.compile_lean_memory)
     if info.enabled:
-        train_model = DistributedDataParallel(
-            train_model,
+        parts.train_model = DistributedDataParallel(
+            parts.train_model,
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
@@ -373,25 +551,20 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         if start_point.damaged_last is not None:
             kept = set_aside(start_point.damaged_last)
             log(f"note: the damaged {start_point.damaged_last} is kept as {kept}; resuming {ckpt_path}")
+        if damaged_recovery is not None:
+            log(f"note: the damaged {damaged_recovery} is kept as {set_aside(damaged_recovery)}")
         recorded = OmegaConf.create(config_dict)
         recorded.run_dir = str(run_dir)  # the resolved run directory: re-running this config resumes it
         header = f"# python train.py {' '.join(overrides)}\n# overrides: {json.dumps(overrides)}\n"
         atomic_write_bytes(run_dir / "config.yaml", (header + OmegaConf.to_yaml(recorded)).encode())
-        run = wandb.init(
-            project=cfg.logger.project,
-            entity=cfg.logger.entity,
-            group=cfg.logger.group,
+        run = open_run(
+            cfg.logger,
             name=cfg.logger.name or f"{cfg.name}/{run_dir.name}",
-            tags=list(cfg.logger.tags),
-            mode=cfg.logger.mode,
-            dir=str(run_dir),
-            id=wandb_id,
-            resume="allow",
+            run_dir=run_dir,
+            run_id=progress.wandb_id,
             config={**config_dict, "backend": backend, "overrides": overrides},
-            # silent: W&B's own start and end messages are some 35 lines a run; wandb_line() is one
-            settings=wandb.Settings(silent=True),
         )
-        wandb_id = run.id
+        progress.wandb_id = run.id
         log(describe(backend))
         log(
             f"run directory {run_dir} | {info.world_size} process(es) on {device.type} | global batch "
@@ -409,18 +582,23 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
         else f"train (label smoothing {cfg.aug.smoothing:g})" if cfg.aug.smoothing > 0
         else "train"
     )  # fmt: skip
+    meter = ThroughputMeter(device, global_batch, info.world_size)
+    eval_s = 0.0  # the last evaluation's time, for the ETA of the run
+    if cfg.trainer.compile:
+        log(
+            f"compiling the model with torch.compile(mode={cfg.trainer.compile_mode}): "
+            f"the first step can take minutes"
+        )
     try:
-        for epoch in range(start_epoch, num_epochs):
+        for epoch in range(progress.epoch, num_epochs):
             t_epoch = time.perf_counter()
-            train_model.train()
-            train_loader.sampler.set_epoch(epoch)
+            start = mid_epoch["step"] if mid_epoch is not None else 0  # steps done before a resume
+            train_loader.sampler.set_epoch(epoch, start_step=start * accum)
             train_loader.generator.manual_seed(cfg.seed + 100_003 * info.rank + epoch)  # DataLoader workers
             reset_skipped(train_set)
             reset_skipped(val_set)
-            mesa_on = ema is not None and cfg.ema.mesa_weight > 0 and epoch >= cfg.ema.mesa_start_epoch
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            batches = iter(train_loader)
             bar = tqdm(
+                initial=start,
                 total=updates_per_epoch,
                 desc=f"epoch {epoch + 1}/{num_epochs}",
                 leave=False,
@@ -428,60 +606,47 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                 dynamic_ncols=True,
                 mininterval=1.0,
             )
-            for _ in range(updates_per_epoch):
-                for micro in range(accum):
-                    images, targets = next(batches)
-                    images = images.to(device, non_blocking=True)
-                    targets = targets.to(device, non_blocking=True)
-                    if mixup_fn is not None:
-                        images, targets = mixup_fn(images, targets)
-                    if cfg.trainer.channels_last:
-                        images = images.contiguous(memory_format=torch.channels_last)
-                    last_micro = micro == accum - 1
-                    no_sync = (
-                        train_model.no_sync() if info.enabled and not last_micro else contextlib.nullcontext()
-                    )
-                    with no_sync:
-                        with autocast(device, precision):
-                            logits = train_model(images)
-                            loss = train_loss_fn(logits, targets)
-                            if mesa_on:
-                                with torch.no_grad():
-                                    teacher = ema.module(images).float().softmax(dim=-1)
-                                loss = loss + cfg.ema.mesa_weight * distill_loss_fn(logits.float(), teacher)
-                        scaler.scale(loss / accum).backward()
-                    loss_sum += loss.detach().double() / accum
-                grad_norm = None
-                if cfg.optim.clip_grad is not None:
-                    scaler.unscale_(optimizer)
-                    grad_norm = clip_gradients(model, cfg.optim.clip_grad, cfg.optim.clip_mode)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                scheduler.step_update(num_updates=step)
-                if ema is not None:
-                    ema.update(model, step=step)
-                lr = optimizer.param_groups[0]["lr"]
-                bar.update(1)
-                lr_steps.append(lr)
-                if master and step % cfg.trainer.log_interval == 0:
-                    loss_now = loss.item()
-                    bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{lr:.2e}")
-                    stats = {"train/loss": loss_now, "train/lr": lr, "epoch": step / updates_per_epoch}
-                    if grad_norm is not None:
-                        stats["train/grad_norm"] = grad_norm.item()
-                    run.log(stats, step=step)
-                if cfg.trainer.stop_after_steps is not None and step >= cfg.trainer.stop_after_steps:
-                    # crash simulation (resume tests): leave without saving anything of this epoch
-                    bar.close()
-                    log(f"stopped after {step} steps (trainer.stop_after_steps); last saved: epoch {epoch}")
-                    if run is not None:
-                        run.finish(exit_code=1)
-                    destroy(info)
-                    log(run_dir)
-                    return run_dir
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            elapsed_before = 0.0  # of this epoch, before a resume inside it
+            if mid_epoch is not None:
+                loss_sum += mid_epoch["loss_sums"][info.rank]
+                elapsed_before = mid_epoch["elapsed_s"]
+                mid_epoch = None
+
+            def save_recovery(steps_done: int) -> None:
+                """recovery.pt: the whole state after ``steps_done`` steps of this epoch (atomic write)."""
+                rng = all_gather_object(rng_state(device), info)
+                sums = all_gather_object(loss_sum.item(), info)
+                if master:
+                    position = {
+                        "step": steps_done,
+                        "loss_sums": torch.tensor(sums, dtype=torch.float64),
+                        "elapsed_s": elapsed_before + time.perf_counter() - t_epoch,
+                    }
+                    state = training_state(
+                        parts, progress, model_name=cfg.model.name, classes=class_names(train_set),
+                        rng=rng, config=config_dict, mid_epoch=position,
+                    )  # fmt: skip
+                    save_checkpoint(state, run_dir / RECOVERY_NAME)
+
+            finished = train_one_epoch(
+                parts, train_loader, cfg, info, epoch, updates_per_epoch, progress, run, bar,
+                meter=meter, num_epochs=num_epochs, eval_s=eval_s, start=start, loss_sum=loss_sum,
+                save_recovery=save_recovery,
+            )  # fmt: skip
             bar.close()
+            if not finished:  # trainer.stop_after_steps: leave as a crash would, saving nothing more
+                recovery = run_dir / RECOVERY_NAME
+                log(
+                    f"stopped after {progress.step} steps (trainer.stop_after_steps); "
+                    f"last saved: epoch {progress.epoch}"
+                    + (f", and {recovery} inside epoch {progress.epoch + 1}" if recovery.exists() else "")
+                )
+                if run is not None:
+                    run.finish(exit_code=1)
+                destroy(info)
+                log(run_dir)
+                return run_dir
             if cfg.sched.step_on_epochs:  # per-epoch schedules move at epoch ends only (timm's train.py)
                 scheduler.step(epoch + 1)
             train_loss = all_reduce_sum(loss_sum, info).item() / (updates_per_epoch * info.world_size)
@@ -491,20 +656,28 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                     f"{run_dir / 'last.pt'} holds the last finished epoch"
                 )
 
+            speed = meter.epoch()
+
             # ------------------------------------------------------------------------------------- eval
+            t_eval = time.perf_counter()
+            ema = parts.ema
             val = evaluate(model, val_loader, info, precision, cfg.trainer.channels_last)
             ema_val = (
                 evaluate(ema.module, val_loader, info, precision, cfg.trainer.channels_last) if ema else None
             )
+            eval_s = time.perf_counter() - t_eval
+            lr = progress.lr_steps[-1]  # the last step's (an epoch schedule has moved on since)
             record = {
                 "epoch": epoch + 1,
-                "step": step,
+                "step": progress.step,
                 "lr": lr,
                 "train_loss": train_loss,
                 "val_top1": val["top1"],
                 "val_top5": val["top5"],
                 "val_loss": val["loss"],
-                "epoch_s": time.perf_counter() - t_epoch,
+                "epoch_s": elapsed_before + time.perf_counter() - t_epoch,
+                **speed,  # the training steps' speed (gspn2.train.throughput.TIMING_KEYS)
+                "eval_s": eval_s,
             }
             if ema_val is not None:
                 record.update(
@@ -521,90 +694,76 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                         f"epoch {epoch + 1}: skipped {len(files)} unreadable {split} image(s) "
                         f"(data.bad_images=skip): {', '.join(files)}"
                     )
-            history.append(record)
-            is_best = val["top1"] > best_top1
+            progress.epoch = epoch + 1
+            progress.history.append(record)
+            is_best = val["top1"] > progress.best_top1
             if is_best:
-                best_top1, best_epoch = val["top1"], epoch + 1
+                progress.best_top1, progress.best_epoch = val["top1"], epoch + 1
 
             # ------------------------------------------------------------------------------- checkpoint
             rng = all_gather_object(rng_state(device), info)  # every rank's streams, for an exact resume
             if master:
-                state = {
-                    "format": CHECKPOINT_FORMAT,
-                    "model": model.state_dict(),
-                    "model_name": cfg.model.name,
-                    "classes": class_names(train_set),  # class folder names, for eval.py predict=
-                    "ema": ema.module.state_dict() if ema is not None else None,
-                    "ema_updates": step if ema is not None else 0,
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "best_top1": best_top1,
-                    "best_epoch": best_epoch,
-                    "history": history,
-                    "rng": rng,
-                    "config": config_dict,
-                    "wandb_id": wandb_id,
-                    "lr_steps": torch.tensor(lr_steps, dtype=torch.float64),
-                }
-                kept = keep_top_k(run_dir, history, state, cfg.trainer.checkpoint_hist)
+                state = training_state(
+                    parts,
+                    progress,
+                    model_name=cfg.model.name,
+                    classes=class_names(train_set),
+                    rng=rng,
+                    config=config_dict,
+                )
+                kept = keep_top_k(run_dir, progress.history, state, cfg.trainer.checkpoint_hist)
                 results = {
                     **{k: v for k, v in record.items() if k != "epoch_s"},
-                    "best_top1": best_top1,
-                    "best_epoch": best_epoch,
+                    "best_top1": progress.best_top1,
+                    "best_epoch": progress.best_epoch,
                     "model": cfg.model.name,
                     "params": count.params,
                     "macs": count.macs,
                     "img_size": cfg.data.img_size,
                     "global_batch": global_batch,
                     "world_size": info.world_size,
-                    "train_s": sum(h["epoch_s"] for h in history),
+                    "train_s": sum(h["epoch_s"] for h in progress.history),
+                    "speed": run_figures(progress.history),  # the training steps over all epochs
                     "run_dir": str(run_dir),
                     "checkpoint": str(run_dir / "last.pt"),
                     "top_k_epochs": kept,
                     "backend": backend,
                     "overrides": overrides,
-                    "history": history,
+                    "history": progress.history,
                 }
-                # the epoch's files are published as one set: a crash leaves this set or the previous one
-                epoch_files = {
-                    "last.pt": lambda path: save_checkpoint(state, path),
-                    "results.json": lambda path: atomic_write_bytes(path, json.dumps(results, indent=2).encode()),
-                    "summary.csv": lambda path: atomic_write_bytes(path, summary_csv(history)),
-                    "curves.png": lambda path: plot_curves(
-                        history,
-                        path,
-                        title=f"{cfg.name} / {run_dir.name}: {cfg.model.name}",
-                        train_label=train_loss_label,
-                        lr_steps=lr_steps,
-                    ),
-                }
-                if is_best:
-                    epoch_files["best.pt"] = "last.pt"  # a copy of the staged last.pt
-                publish(run_dir, epoch_files, label=f"epoch {epoch + 1}")
+                publish_epoch(
+                    run_dir,
+                    state,
+                    results,
+                    is_best,
+                    title=f"{cfg.name} / {run_dir.name}: {cfg.model.name}",
+                    train_label=train_loss_label,
+                )
                 run.log(
                     {"epoch": epoch + 1, "train/epoch_loss": train_loss}
+                    | {f"epoch/{k}": v for k, v in speed.items() if v is not None}
+                    | {"epoch/eval_s": eval_s}
                     | {f"val/{k[len('val_') :]}": v for k, v in record.items() if k.startswith("val_")}
                     | {
                         f"val/ema_{k[len('ema_val_') :]}": v
                         for k, v in record.items()
                         if k.startswith("ema_val_")
                     },
-                    step=step,
+                    step=progress.step,
                 )
                 ema_msg = f" | EMA top1 {ema_val['top1']:6.2f} loss {ema_val['loss']:.4f}" if ema_val else ""
                 log(
                     f"epoch {epoch + 1:3d}/{num_epochs} | train loss {train_loss:.4f} | "
                     f"val top1 {val['top1']:6.2f} top5 {val['top5']:6.2f} loss {val['loss']:.4f}{ema_msg} | "
-                    f"lr {lr:.2e} | "
+                    f"lr {lr:.2e} | {format_interval(speed, device.type == 'cuda')} | "
                     f"{record['epoch_s']:.1f} s"
                 )
     except KeyboardInterrupt:
         last = run_dir / "last.pt"
         if master:
             saved = f"the last checkpoint is {last}" if last.exists() else "no epoch finished, nothing saved"
+            if (run_dir / RECOVERY_NAME).exists():
+                saved += f", and {run_dir / RECOVERY_NAME} holds the state inside the epoch after it"
             print(f"\ninterrupted: {saved}; resume with: {resume_command(overrides, run_dir)}", file=sys.stderr)
             if run is not None:
                 run.finish(exit_code=130)
@@ -614,9 +773,11 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
     # ------------------------------------------------------------------------------------------ finish
     if master:
         log(
-            f"done: val top1 {results['val_top1']:.2f} (best {best_top1:.2f} at epoch {best_epoch}), "
-            f"{results['train_s']:.0f} s of training"
+            f"done: val top1 {results['val_top1']:.2f} (best {progress.best_top1:.2f} at epoch "
+            f"{progress.best_epoch}), {results['train_s']:.0f} s of training"
         )
+        if results["speed"] is not None:
+            log(f"speed over the run's epochs: {format_interval(results['speed'], device.type == 'cuda')}")
         run.finish()
         log(wandb_line(run, cfg.logger.mode))
     destroy(info)

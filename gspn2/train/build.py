@@ -7,6 +7,8 @@ train.py, eval.py and the config tests (so the tests instantiate exactly what tr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import timm
 import torch
@@ -19,6 +21,7 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import dispatch_clip_grad
 
 __all__ = [
+    "TrainParts",
     "build_model",
     "lr_scale",
     "build_optimizer",
@@ -27,6 +30,29 @@ __all__ = [
     "clip_gradients",
     "compile_model",
 ]
+
+
+@dataclass
+class TrainParts:
+    """What an optimizer step touches.
+
+    ``model`` is the plain module (its state dict is what checkpoints hold); ``train_model`` runs the
+    forward pass (``model`` itself, or wrapped by ``torch.compile`` and DistributedDataParallel).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    ema: Any  # timm ModelEmaV3 or None
+    mixup_fn: Mixup | None
+    loss_fn: nn.Module
+    distill_loss_fn: nn.Module  # MESA: cross-entropy to the EMA teacher's probabilities
+    train_model: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if self.train_model is None:
+            self.train_model = self.model
 
 
 def build_model(model_cfg, num_classes: int) -> nn.Module:

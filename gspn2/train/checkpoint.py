@@ -16,6 +16,9 @@ A checkpoint is one ``torch.save`` dict of plain containers and tensors (loadabl
     rng          one entry per rank: python, numpy, torch, cuda generator states
     config       the resolved training config (dict)
     wandb_id     the W&B run id, so a resumed run appends to the same W&B run
+    mid_epoch    None after a whole epoch; in a recovery state written inside epoch ``epoch + 1``:
+                 {"step": its optimizer steps done, "loss_sums": per-rank float64 sums of their losses,
+                 "elapsed_s": its wall time so far}
 
 Entries beyond these are allowed and covered by the integrity digest like the rest.
 """
@@ -23,11 +26,13 @@ Entries beyond these are allowed and covered by the integrity digest like the re
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import pickle
 import random
 import tempfile
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,9 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "with_timm_keys",
+    "Progress",
+    "training_state",
+    "restore_training_state",
 ]
 
 CHECKPOINT_FORMAT = "gspn2-train-v2"
@@ -249,3 +257,117 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ---------------------------------------------------------------------------------- training state
+@dataclass
+class Progress:
+    """Where a run stands; saved in every checkpoint and restored on resume."""
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps completed
+    best_top1: float = -math.inf
+    best_epoch: int = 0
+    history: list = field(default_factory=list)  # one record per completed epoch
+    lr_steps: list = field(default_factory=list)  # the lr of every optimizer step, for curves.png
+    wandb_id: str | None = None
+
+
+def training_state(
+    parts,
+    progress: Progress,
+    *,
+    model_name: str,
+    classes: list[str],
+    rng: list,
+    config: dict,
+    mid_epoch: dict | None = None,
+) -> dict[str, Any]:
+    """The resumable state of a run (the layout of this module's docstring).
+
+    ``parts`` holds ``model``, ``ema`` (or None), ``optimizer``, ``scheduler`` and ``scaler``
+    (:class:`gspn2.train.build.TrainParts`); ``rng`` has one :func:`rng_state` per rank; ``mid_epoch``
+    is the position inside an unfinished epoch (None at an epoch's end).
+    """
+    ema = parts.ema
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "model": parts.model.state_dict(),
+        "model_name": model_name,
+        "classes": classes,  # class folder names, for eval.py predict=
+        "ema": ema.module.state_dict() if ema is not None else None,
+        "ema_updates": progress.step if ema is not None else 0,
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "best_top1": progress.best_top1,
+        "best_epoch": progress.best_epoch,
+        "history": progress.history,
+        "rng": rng,
+        "config": config,
+        "wandb_id": progress.wandb_id,
+        "lr_steps": torch.tensor(progress.lr_steps, dtype=torch.float64),
+        "mid_epoch": mid_epoch,
+    }
+
+
+def restore_training_state(
+    state: dict[str, Any],
+    path: str | os.PathLike,
+    parts,
+    *,
+    optim_name: str,
+    fresh_optimizer: bool,
+    step_on_epochs: bool,
+) -> Progress:
+    """Load a :func:`training_state` into ``parts`` and return its :class:`Progress`.
+
+    The weights and the EMA always; the optimizer's moments and the scaler unless ``fresh_optimizer``
+    (then this run's optimizer starts anew). The optimizer's hyperparameters (weight decay, betas, ...)
+    and the schedule stay this run's: the schedule is evaluated where the checkpoint stopped. Raises
+    :class:`CheckpointError` naming ``path`` when the state does not fit.
+    """
+    old_optim = state["config"].get("optim", {}).get("name")
+    if old_optim != optim_name and not fresh_optimizer:
+        raise CheckpointError(
+            f"{path} was trained with optim={old_optim}, this run asks for optim={optim_name}: "
+            f"add trainer.no_resume_opt=true to keep the weights and start a fresh {optim_name} state"
+        )
+    load_model_state(parts.model, state["model"], path)
+    if parts.ema is not None:
+        if state.get("ema") is None:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no EMA weights; resume with "
+                f"ema.enabled=false or start a new run"
+            )
+        load_model_state(parts.ema.module, state["ema"], path, what="EMA")
+    optimizer = parts.optimizer
+    if not fresh_optimizer:
+        own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"the optimizer state in {str(path)!r} does not fit optim={optim_name} "
+                f"({e}); add trainer.no_resume_opt=true to start a fresh optimizer state"
+            ) from e
+        for group, hyper in zip(optimizer.param_groups, own):
+            group.update(hyper)
+        if state.get("scaler"):
+            parts.scaler.load_state_dict(state["scaler"])
+    progress = Progress(
+        epoch=state["epoch"],
+        step=state["step"],
+        best_top1=state["best_top1"],
+        best_epoch=state["best_epoch"],
+        history=state["history"],
+        lr_steps=state["lr_steps"].tolist() if "lr_steps" in state else [],
+        wandb_id=state.get("wandb_id"),
+    )
+    if step_on_epochs:
+        parts.scheduler.step(progress.epoch)
+    else:
+        parts.scheduler.step_update(num_updates=progress.step)
+    return progress

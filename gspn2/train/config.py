@@ -140,12 +140,14 @@ class TrainerConfig:
     tf32: bool = True
     cpu_threads: Optional[int] = None  # torch intra-op threads on CPU runs (null: torch's default)
     dist_backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
-    log_interval: int = 50  # optimizer steps between W&B train logs
+    log_interval: int = 50  # optimizer steps between the log's speed lines (and W&B train logs)
     limit_train_steps: Optional[int] = None  # cap optimizer steps per epoch (smoke tests)
     stop_after_steps: Optional[int] = None  # stop abruptly after this many steps in total (crash test)
     progress: bool = True  # tqdm progress bar on rank 0 (shown only when stderr is a terminal)
     no_resume_opt: bool = False  # resume weights, EMA, epoch and history, but start a fresh optimizer state
     checkpoint_hist: int = 0  # keep the k best epochs as checkpoint-<epoch>.pt (0: only last.pt and best.pt)
+    # every this many optimizer steps inside an epoch, write recovery.pt (resumable mid-epoch); 0: off
+    checkpoint_every_steps: int = 0
 
 
 @dataclass
@@ -268,8 +270,8 @@ TRAIN_POSITIVE = (
 #: ... and those that must be >= 0.
 TRAIN_NON_NEGATIVE = (
     "data.num_workers", "sched.warmup_epochs", "sched.cooldown_epochs", "ema.mesa_start_epoch",
-    "trainer.checkpoint_hist", "optim.weight_decay", "sched.warmup_lr", "sched.min_lr", "ema.mesa_weight",
-    "aug.mixup", "aug.cutmix", "data.gpu_prefetch",
+    "trainer.checkpoint_hist", "trainer.checkpoint_every_steps", "optim.weight_decay", "sched.warmup_lr",
+    "sched.min_lr", "ema.mesa_weight", "aug.mixup", "aug.cutmix", "data.gpu_prefetch",
 )  # fmt: skip
 #: Probabilities and fractions: ``key -> (low, high, high_inclusive)``, low always inclusive.
 TRAIN_RANGES: dict[str, tuple[float, float, bool]] = {
@@ -314,8 +316,9 @@ def check_train_config(cfg, check_paths: bool = True) -> None:
     Run at start-up, before a process group, a run directory, ``config.yaml`` or a W&B run exists, so a
     mistyped value costs nothing. Composition already checked the keys and their types
     (:func:`validate`); this checks what a type cannot say: choices, ranges, files that must exist, and
-    combinations that do not work together. ``check_paths=False`` skips the files and folders (for
-    composing documented commands whose paths are placeholders).
+    combinations that do not work together. ``check_paths=False`` skips what depends on this machine:
+    files and folders, and the wandb package an enabled logger needs (for composing documented commands
+    whose paths are placeholders).
     """
     for key, choices in TRAIN_CHOICES.items():
         _check_choice(cfg, key, choices)
@@ -367,6 +370,14 @@ def check_train_config(cfg, check_paths: bool = True) -> None:
         raise ConfigError(f"data.root={cfg.data.root}: no such directory")
     _check_file("resume", cfg.resume)
     _check_file("initial_checkpoint", cfg.initial_checkpoint)
+    if cfg.logger.mode != "disabled":
+        try:
+            import wandb  # noqa: F401  (only an enabled logger needs it; train.py imports it lazily)
+        except ImportError as e:
+            raise ConfigError(
+                f"logger.mode={cfg.logger.mode} needs the wandb package, which does not import here ({e}): "
+                f"install it (pip install wandb) or train without W&B: logger=none"
+            ) from e
 
 
 def check_eval_config(cfg, check_paths: bool = True) -> None:

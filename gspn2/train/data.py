@@ -516,6 +516,7 @@ class ShardedBatchSampler(Sampler[int]):
         self.shuffle = shuffle
         self.repeats = repeats
         self.epoch = 0
+        self.start_step = 0
         self.num_steps = num_samples // (batch_size * world_size)
         if self.num_steps == 0:
             raise DataError(
@@ -523,11 +524,16 @@ class ShardedBatchSampler(Sampler[int]):
                 f"({world_size} x {batch_size}); lower data.batch_size"
             )
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Iterate epoch ``epoch`` from batch ``start_step`` on (a resume inside the epoch skips the
+        batches it consumed before)."""
+        if not 0 <= start_step < self.num_steps:
+            raise ValueError(f"start_step must be in [0, {self.num_steps}); got {start_step}")
         self.epoch = epoch
+        self.start_step = start_step
 
     def __len__(self) -> int:
-        return self.num_steps * self.batch_size
+        return (self.num_steps - self.start_step) * self.batch_size
 
     def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -541,7 +547,7 @@ class ShardedBatchSampler(Sampler[int]):
         # epoch is augmented alike for any process count, worker count or resume point
         seeds = torch.randint(0, 2**62, (self.num_samples,), generator=g) if self.with_seeds else None
         global_batch = self.batch_size * self.world_size
-        for step in range(self.num_steps):
+        for step in range(self.start_step, self.num_steps):
             start = step * global_batch + self.rank * self.batch_size
             indices = order[start : start + self.batch_size].tolist()
             if seeds is None:

@@ -79,7 +79,7 @@ def test_checkpoint_of_another_width(train_script, short_run, digits_root, tmp_p
         [
             *TINY,
             f"data.root={digits_root}",
-            "model.args.dims=[16,32,64,96]",
+            "+model.args.dims=[16,32,64,96]",
             f"resume={ckpt}",
             f"run_dir={tmp_path / 'run'}",
         ]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gspn2.train.checkpoint import load_checkpoint
+from gspn2.train.throughput import TIMING_KEYS
 from tests.train._helpers import TINY, compose_cfg
 
 EPOCHS = 2
@@ -31,7 +32,7 @@ def _overrides(digits_root, run_dir, *extra):
 
 def _history(run_dir):
     history = json.loads((run_dir / "results.json").read_text())["history"]
-    return [{k: v for k, v in h.items() if k != "epoch_s"} for h in history]
+    return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history]
 
 
 def _assert_same_weights(a, b):
