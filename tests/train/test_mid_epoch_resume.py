@@ -106,7 +106,7 @@ def test_resume_from_a_recovery_state_is_bitwise_the_uninterrupted_run(
     assert _history(damaged) == _history(full)
 
 
-def test_seeded_samples_draw_from_their_key_in_workers_and_from_the_main_streams_otherwise(monkeypatch):
+def test_seeded_samples_draw_from_their_seed_and_leave_the_main_streams_alone(monkeypatch):
     class Draw(torch.utils.data.Dataset):
         def __len__(self):
             return 4
@@ -121,16 +121,17 @@ def test_seeded_samples_draw_from_their_key_in_workers_and_from_the_main_streams
 
     samples = SeededSamples(Draw())
     seed_all(5)
-    expected = Draw()[2]
+    first = samples[(2, 17)]
+    after = (random.random(), float(np.random.rand()), torch.rand(()).item())
     seed_all(5)
-    assert samples[(2, (0, 1, 17))] == expected  # main process: the trainer's streams, as without it
+    assert (random.random(), float(np.random.rand()), torch.rand(()).item()) == after  # main streams restored
+    seed_all(6)
+    assert samples[(2, 17)] == first  # the seed alone decides
+    assert samples[(2, 18)][1:] != first[1:]
 
     monkeypatch.setattr("gspn2.train.data.get_worker_info", lambda: object())  # as in a worker
-    first = samples[(2, (0, 1, 17))]
-    seed_all(6)
-    assert samples[(2, (0, 1, 17))] == first  # the key alone decides
-    assert samples[(2, (0, 1, 18))][1:] != first[1:] and samples[(2, (0, 2, 17))][1:] != first[1:]
-    assert first[1:] != expected[1:]
+    seed_all(7)
+    assert samples[(2, 17)] == first  # the same draws in a worker process
 
 
 def test_checkpoint_every_steps_is_checked():
