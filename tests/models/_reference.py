@@ -176,12 +176,17 @@ def assert_same(model: Grads, ref: Grads, rtol: float) -> None:
 
 
 def assert_bf16_close(model: Grads, ref: Grads, exact: Grads) -> None:
-    """The model's bf16 error against the fp32 oracle <= 2 x the oracle's bf16 error + 1e-2."""
+    """The model's bf16 error against the fp32 oracle <= 4 x the oracle's bf16 error + 2e-2.
+
+    The model's LayerNorms run in bf16 under autocast where the oracle's (timm's) run in float32 (by design:
+    docs/models.md, "Speed"), so its bf16 error is larger; on an H200 the largest ratio was 3.3x, on
+    gspn2_tiny's ``mixer.generate`` gradients (0.082 against 0.025). A wrong cast or a dropped term gives
+    errors of order 1."""
     pairs = [("output", model[0], ref[0], exact[0]), ("input grad", model[1], ref[1], exact[1])]
     pairs += [(f"grad {n}", model[2][n], ref[2][n], exact[2][n]) for n in exact[2]]
     bad = []
     for what, a, b, e in pairs:
         err_model, err_ref = rel_err(a, e), rel_err(b, e)
-        if err_model > 2 * err_ref + 1e-2:
+        if err_model > 4 * err_ref + 2e-2:
             bad.append((what, round(err_model, 4), round(err_ref, 4)))
     assert not bad, f"bf16 model much worse than the bf16 oracle (what, model err, oracle err): {bad}"

