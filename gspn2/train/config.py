@@ -338,6 +338,11 @@ def check_train_config(cfg, check_paths: bool = True) -> None:
         raise ConfigError(f"optim.layer_decay must be in (0, 1] or null; got {cfg.optim.layer_decay!r}")
     if not 0 < cfg.data.crop_pct <= 1:
         raise ConfigError(f"data.crop_pct must be in (0, 1]; got {cfg.data.crop_pct!r}")
+    if cfg.data.pipeline == "gpu" and cfg.data.gpu_prefetch > 0 and cfg.data.num_workers == 0:
+        raise ConfigError(
+            "data.gpu_prefetch > 0 needs data.num_workers >= 1 (or null): without worker processes its thread "
+            "would draw the augmentations from the random state the training loop uses; set one of them"
+        )
     for key in ("data.mean", "data.std"):
         value = list(_get(cfg, key))
         if len(value) != 3 or (key == "data.std" and min(value) <= 0):

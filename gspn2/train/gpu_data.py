@@ -730,6 +730,10 @@ def build_gpu_train_loader(dataset: Dataset, data, aug, batch_size: int, device,
     """The GPU-path loader over ``dataset`` (from :func:`~gspn2.train.data.build_dataset`): same order,
     same per-sample seeds as :func:`~gspn2.train.data.build_train_loader`; ``ahead``: batches a
     background thread prepares in advance (``data.gpu_prefetch``)."""
+    if ahead > 0 and num_workers == 0:
+        # the thread would run the samples' seeded draws (SeededSamples saves, reseeds and restores the
+        # process-wide random state) while the training loop draws from that state too
+        raise ValueError("data.gpu_prefetch > 0 needs data.num_workers >= 1")
     recipe = recipe_of(data, aug)
     raw = raw_dataset(dataset, RecipeSampler(recipe))
     base = raw

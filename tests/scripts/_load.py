@@ -25,3 +25,14 @@ def script_module(name: str) -> Iterator[ModuleType]:
         yield module
     finally:
         del sys.modules[name]
+
+
+def jpeg_folder(tmp_path_factory, name: str, classes: int, train_per_class: int, val_per_class: int = 1):
+    """A small ImageNet-like JPEG folder (``train/`` and ``val/``) written by scripts/make_image_folder.py
+    under a fresh temporary directory ``name``; returns its root."""
+    root = tmp_path_factory.mktemp(name) / "fake"
+    with script_module("make_image_folder") as make:
+        make.make_image_folder(
+            root, classes=classes, train_per_class=train_per_class, val_per_class=val_per_class
+        )
+    return root

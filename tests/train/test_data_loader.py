@@ -27,16 +27,13 @@ from gspn2.train.data import (
     reduction_factor,
     resolve_num_workers,
 )
-from tests.scripts._load import script_module
+from tests.scripts._load import jpeg_folder
 from tests.train._helpers import compose_cfg
 
 
 @pytest.fixture(scope="module")
 def jpeg_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jpegs") / "fake"
-    with script_module("make_image_folder") as make:
-        make.make_image_folder(root, classes=2, train_per_class=4, val_per_class=1)
-    return root
+    return jpeg_folder(tmp_path_factory, "jpegs", classes=2, train_per_class=4)
 
 
 def _files(root):

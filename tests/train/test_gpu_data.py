@@ -40,15 +40,12 @@ from gspn2.train.gpu_data import (
     recipe_of,
     resized_crop,
 )
-from tests.scripts._load import script_module
+from tests.scripts._load import jpeg_folder
 
 
 @pytest.fixture(scope="module")
 def jpeg_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_jpegs") / "fake"
-    with script_module("make_image_folder") as make:
-        make.make_image_folder(root, classes=2, train_per_class=4, val_per_class=1)
-    return root
+    return jpeg_folder(tmp_path_factory, "gpu_jpegs", classes=2, train_per_class=4)
 
 
 def _cfg(root="/unused", img_size=48, **aug):
@@ -324,7 +321,9 @@ def test_batches_prepared_ahead_by_a_thread_are_the_same(jpeg_root):
     dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
     args = (dataset, data, aug, 2, "cpu", 1, 0)
     inline = build_gpu_train_loader(*args, seed=4, num_workers=0, pin_memory=False)
-    ahead = build_gpu_train_loader(*args, seed=4, num_workers=0, pin_memory=False, ahead=2)
+    with pytest.raises(ValueError, match="data.gpu_prefetch > 0 needs data.num_workers >= 1"):
+        build_gpu_train_loader(*args, seed=4, num_workers=0, pin_memory=False, ahead=2)
+    ahead = build_gpu_train_loader(*args, seed=4, num_workers=1, pin_memory=False, ahead=2)
     for loader in (inline, ahead):
         loader.sampler.set_epoch(3)
     pairs = list(zip(inline, ahead))

@@ -12,7 +12,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from gspn2.train.config import AugConfig, DataConfig
 from gspn2.train.data import build_dataset, build_transform
 from gspn2.train.gpu_data import build_gpu_train_loader, erase_mask
-from tests.scripts._load import script_module
+from tests.scripts._load import jpeg_folder
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 pytestmark = [cuda, pytest.mark.cuda]
@@ -20,10 +20,7 @@ pytestmark = [cuda, pytest.mark.cuda]
 
 @pytest.fixture(scope="module")
 def jpeg_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cuda_jpegs") / "fake"
-    with script_module("make_image_folder") as make:
-        make.make_image_folder(root, classes=2, train_per_class=16, val_per_class=1)
-    return root
+    return jpeg_folder(tmp_path_factory, "cuda_jpegs", classes=2, train_per_class=16)
 
 
 def test_nvjpeg_batch_decode_matches_the_cpu_decoder(jpeg_root):
