@@ -203,3 +203,8 @@ def test_loader_keys_compose_and_are_checked():
         check_train_config(compose_cfg([*imagenet, "data.prefetch_factor=0"]), check_paths=False)
     with pytest.raises(ConfigError, match="data.gpu_prefetch must be >= 0"):
         check_train_config(compose_cfg([*imagenet, "data.gpu_prefetch=-1"]), check_paths=False)
+    with pytest.raises(ConfigError, match="data.gpu_prefetch > 0 needs data.num_workers >= 1"):
+        check_train_config(compose_cfg([*imagenet, "data.pipeline=gpu", "data.num_workers=0"]), check_paths=False)
+    check_train_config(
+        compose_cfg([*imagenet, "data.pipeline=gpu", "data.num_workers=0", "data.gpu_prefetch=0"]), check_paths=False
+    )
