@@ -62,7 +62,7 @@ _LIB.define(
 
 def kernel_available() -> bool:
     """Whether gspn2's CUDA extension, which holds the kernel, is built."""
-    return _cuda.extension_available()
+    return _EXTENSION
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
