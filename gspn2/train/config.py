@@ -50,7 +50,8 @@ class DataConfig:
     pin_memory: bool = True
     persistent_workers: bool = True  # training loader workers live across epochs
     prefetch_factor: int = 2  # batches in flight per training loader worker (each in shared memory)
-    pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (nvJPEG, GPU augmentation)
+    pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (GPU augmentation)
+    gpu_decode: bool = False  # gpu pipeline: false: workers decode + crop (uint8) | true: nvJPEG on the GPU
     reduced_decode: bool = True  # cpu pipeline: decode JPEGs at 1/2, 1/4, 1/8 size when the crop allows
     gpu_prefetch: int = 2  # gpu pipeline: batches a background thread decodes + augments ahead (0: inline)
     train_subset: Optional[int] = None  # use a fixed random subset of this many training images
@@ -338,6 +339,8 @@ def check_train_config(cfg, check_paths: bool = True) -> None:
         raise ConfigError(f"optim.layer_decay must be in (0, 1] or null; got {cfg.optim.layer_decay!r}")
     if not 0 < cfg.data.crop_pct <= 1:
         raise ConfigError(f"data.crop_pct must be in (0, 1]; got {cfg.data.crop_pct!r}")
+    if not isinstance(cfg.data.gpu_decode, bool):
+        raise ConfigError(f"data.gpu_decode must be true or false; got {cfg.data.gpu_decode!r}")
     if cfg.data.pipeline == "gpu" and cfg.data.gpu_prefetch > 0 and cfg.data.num_workers == 0:
         raise ConfigError(
             "data.gpu_prefetch > 0 needs data.num_workers >= 1 (or null): without worker processes its thread "

@@ -650,7 +650,8 @@ def build_train_loader(
 def train_loader_from_config(dataset: Dataset, cfg, device: torch.device, world_size: int, rank: int,
                              num_workers: int, pin_memory: bool):
     """The training loader of ``cfg.data.pipeline``: ``cpu`` (timm's transforms in the workers) or
-    ``gpu`` (workers read the files, the GPU decodes and augments: :mod:`gspn2.train.gpu_data`)."""
+    ``gpu`` (the GPU augments; the workers or nvJPEG decode, as ``data.gpu_decode`` says:
+    :mod:`gspn2.train.gpu_data`)."""
     data = cfg.data
     pipeline = getattr(data, "pipeline", "cpu")
     common = dict(

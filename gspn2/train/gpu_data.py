@@ -1,11 +1,19 @@
-"""GPU training input (``data.pipeline=gpu``): the workers read files, the GPU decodes and augments.
+"""GPU training input (``data.pipeline=gpu``): the workers prepare the crops, the GPU augments.
 
-Worker processes only read each JPEG's bytes and its header (the size), and draw the sample's augmentation
-parameters (:class:`RecipeSampler`) from the sample's seed (:class:`~gspn2.train.data.SeededSamples`).
-The main process decodes the batch with nvJPEG (``torchvision.io.decode_jpeg(list, device="cuda")``) and
-applies the recipe on the device (:class:`GpuAugment`): RandomResizedCrop (bicubic or bilinear, per-sample
-boxes, antialiased like PIL), flips, RandAugment (timm's ops), colour jitter, normalisation and random
-erasing. Mixup/CutMix stay in the trainer, as on the CPU path.
+Worker processes draw each sample's augmentation parameters (:class:`RecipeSampler`) from the sample's
+seed (:class:`~gspn2.train.data.SeededSamples`). Where the image is decoded is ``data.gpu_decode``:
+
+* ``false``: each worker decodes its files on the CPU (``torchvision.io.decode_jpeg``, Pillow for what it
+  refuses), crops the sample's box and resizes it to the recipe size as uint8 (torch's antialiased
+  bicubic or bilinear, like PIL's resize); the batch travels as one uint8 tensor, is copied to the device
+  in one transfer, and the device has only the batched augmentations left to do;
+* ``true``: the workers read each JPEG's bytes and its header (the size) only; the main process decodes
+  the batch with nvJPEG (``torchvision.io.decode_jpeg(list, device="cuda")``) and crops and resizes image
+  by image on the device (antialiased like PIL).
+
+The rest of the recipe runs batched on the device either way (:class:`GpuAugment`): flips, RandAugment
+(timm's ops), colour jitter, normalisation and random erasing. Mixup/CutMix stay in the trainer, as on
+the CPU path.
 
 The recipe is read off the CPU transform that :func:`~gspn2.train.data.build_transform` builds for the same
 config, and the parameters are drawn with the same random calls in the same order as timm's transforms
@@ -55,6 +63,8 @@ __all__ = [
     "RecipeSampler",
     "GpuAugment",
     "GpuTrainLoader",
+    "decode_pixels",
+    "crop_resize_uint8",
     "build_gpu_train_loader",
 ]
 
@@ -254,6 +264,32 @@ class RecipeSampler:
 # ------------------------------------------------------------------------------------------ the workers
 
 
+def _rgb_pixels(img: Image.Image) -> torch.Tensor:
+    """A PIL image as an RGB ``CHW`` uint8 tensor."""
+    return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
+
+
+def _is_jpeg(data: torch.Tensor) -> bool:
+    return data.numel() > 2 and int(data[0]) == 0xFF and int(data[1]) == 0xD8  # the SOI marker
+
+
+def decode_pixels(data: torch.Tensor, path, device="cpu") -> torch.Tensor:
+    """A file's bytes (a 1-d uint8 tensor) decoded to an RGB ``CHW`` uint8 tensor on ``device``:
+    ``torchvision.io.decode_jpeg`` (libjpeg-turbo on the CPU, nvJPEG on a GPU), Pillow for other formats
+    and for the JPEGs the decoder refuses. :class:`ImageError` names a file that neither reads."""
+    if _is_jpeg(data):
+        try:
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            pass  # a JPEG variant or damage the decoder refuses: Pillow reads it or names the error
+    try:
+        img = Image.open(io.BytesIO(data.numpy().tobytes()))
+        img.load()
+        return _rgb_pixels(img).to(device)
+    except _DECODE_ERRORS as e:
+        raise ImageError(f"cannot read image {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
 def read_encoded(path: str):
     """A file's bytes and size. JPEGs in RGB or grey stay encoded (``(bytes, False, size)``); other files
     (PNG, CMYK JPEG, ...) are decoded here to an RGB ``CHW`` uint8 tensor (``(pixels, True, size)``), the
@@ -266,14 +302,24 @@ def read_encoded(path: str):
         if img.format == "JPEG" and img.mode in ("RGB", "L"):
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8), False, size, path
         img.load()
-        pixels = torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
-        return pixels, True, size, path
+        return _rgb_pixels(img), True, size, path
     except _DECODE_ERRORS as e:
         raise ImageError(f"cannot read image {str(path)!r}: {type(e).__name__}: {e}") from e
 
 
+def read_decoded(path: str):
+    """A file decoded on the CPU (:func:`decode_pixels`): ``(pixels, path)``; :class:`ImageError` names an
+    unreadable file, so :class:`~gspn2.train.data.CheckedImageFolder` applies ``data.bad_images``."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ImageError(f"cannot read image {str(path)!r}: {type(e).__name__}: {e}") from e
+    return decode_pixels(torch.frombuffer(bytearray(raw), dtype=torch.uint8), path), path
+
+
 class _DrawParams:
-    """The dataset transform of the GPU path: keeps the data, adds the sample's parameters."""
+    """The dataset transform of nvJPEG decoding: keeps the data, adds the sample's parameters."""
 
     def __init__(self, sampler: RecipeSampler):
         self.sampler = sampler
@@ -283,21 +329,46 @@ class _DrawParams:
         return data, decoded, self.sampler(size), path
 
 
-def raw_dataset(dataset: Dataset, sampler: RecipeSampler) -> Dataset:
-    """A view of ``dataset`` (from :func:`~gspn2.train.data.build_dataset`) that yields
-    ``((data, decoded, params, path), label)``; it shares the files, the subset and the skipped-image flags
-    (so :func:`~gspn2.train.data.skipped_images` of ``dataset`` reports what this one skipped)."""
+class _DrawAndCrop:
+    """The dataset transform of worker decoding: the sample's parameters, drawn from the decoded size,
+    and its crop box resized to the recipe size (``(3, H, W)`` uint8)."""
+
+    def __init__(self, sampler: RecipeSampler):
+        self.sampler = sampler
+
+    def __call__(self, item):
+        pixels, path = item
+        params = self.sampler((pixels.shape[-1], pixels.shape[-2]))  # (w, h), as PIL's size
+        r = self.sampler.r
+        return crop_resize_uint8(pixels, params["crop"].tolist(), r.size, r.interpolation), params, path
+
+
+def _view(dataset: Dataset, loader, transform) -> Dataset:
+    """``dataset`` (from :func:`~gspn2.train.data.build_dataset`) reading its files with ``loader`` and
+    ``transform``; it shares the files, the subset and the skipped-image flags (so
+    :func:`~gspn2.train.data.skipped_images` of ``dataset`` reports what this one skipped)."""
     if isinstance(dataset, Subset):
-        inner = raw_dataset(dataset.dataset, sampler)
-        view = Subset(inner, dataset.indices)
+        view = Subset(_view(dataset.dataset, loader, transform), dataset.indices)
         view.classes = getattr(dataset, "classes", None)  # type: ignore[attr-defined]
         return view
     if not isinstance(dataset, CheckedImageFolder):
         raise TypeError(f"expected a dataset of build_dataset, got {type(dataset).__name__}")
     view = copy.copy(dataset)  # same samples list, same shared-memory skipped flags
-    view.loader = read_encoded
-    view.transform = _DrawParams(sampler)
+    view.loader = loader
+    view.transform = transform
     return view
+
+
+def raw_dataset(dataset: Dataset, sampler: RecipeSampler) -> Dataset:
+    """A view of ``dataset`` for nvJPEG decoding (``data.gpu_decode=true``) that yields
+    ``((data, decoded, params, path), label)`` (see :func:`_view`)."""
+    return _view(dataset, read_encoded, _DrawParams(sampler))
+
+
+def decoded_dataset(dataset: Dataset, sampler: RecipeSampler) -> Dataset:
+    """A view of ``dataset`` for worker decoding (``data.gpu_decode=false``) that yields
+    ``((crop, params, path), label)``, ``crop`` a ``(3, H, W)`` uint8 tensor (see :func:`_view`)."""
+    return _view(dataset, read_decoded, _DrawAndCrop(sampler))
 
 
 def collate_raw(batch):
@@ -306,6 +377,14 @@ def collate_raw(batch):
     datas, decoded, params, paths = zip(*items)
     stacked = {k: torch.stack([p[k] for p in params]) for k in params[0]}
     return list(datas), torch.tensor(decoded), stacked, list(paths), torch.tensor(labels, dtype=torch.int64)
+
+
+def collate_decoded(batch):
+    """The crops stacked into one ``(B, 3, H, W)`` uint8 tensor, the parameters per key."""
+    items, labels = zip(*batch)
+    crops, params, paths = zip(*items)
+    stacked = {k: torch.stack([p[k] for p in params]) for k in params[0]}
+    return torch.stack(crops), stacked, list(paths), torch.tensor(labels, dtype=torch.int64)
 
 
 # ------------------------------------------------------------------------------------ the pixel operations
@@ -473,13 +552,21 @@ def apply_ra_op(name: str, x: torch.Tensor, arg: torch.Tensor, fill=(128, 128, 1
     return _PIXEL_OPS[name](x, arg.to(x.dtype))
 
 
+def _box(img: torch.Tensor, box) -> torch.Tensor:
+    i, j, h, w = box
+    return img[None, :, i : i + h, j : j + w]
+
+
 def resized_crop(img: torch.Tensor, box, size, mode: str) -> torch.Tensor:
     """One ``(3, H, W)`` uint8 image cropped to ``box = (i, j, h, w)`` and resized to ``size`` like PIL's
-    resize (antialiased when shrinking); 0..255 float values, rounded."""
-    i, j, h, w = box
-    crop = img[None, :, i : i + h, j : j + w].float()
-    out = F.interpolate(crop, size=size, mode=mode, antialias=True, align_corners=False)
+    resize (antialiased when shrinking); ``(1, 3, *size)`` of 0..255 float values, rounded."""
+    out = F.interpolate(_box(img, box).float(), size=size, mode=mode, antialias=True, align_corners=False)
     return _q(out)
+
+
+def crop_resize_uint8(img: torch.Tensor, box, size, mode: str) -> torch.Tensor:
+    """:func:`resized_crop` kept in uint8 (torch's uint8 kernels, CPU tensors): ``(3, *size)`` uint8."""
+    return F.interpolate(_box(img, box), size=size, mode=mode, antialias=True, align_corners=False)[0]
 
 
 def erase_mask(boxes: torch.Tensor, h: int, w: int) -> torch.Tensor:
@@ -496,14 +583,20 @@ def erase_mask(boxes: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 class GpuAugment:
-    """Decodes a raw batch on ``device`` and applies the recipe: ``(images, targets)`` on ``device``,
-    images normalised float32 ``(B, 3, H, W)``."""
+    """Applies the recipe to a batch of the workers on ``device``: ``(images, targets)`` on ``device``,
+    images normalised float32 ``(B, 3, H, W)``.
 
-    def __init__(self, recipe: Recipe, device, bad_images: str = "skip", on_skip=None):
+    ``gpu_decode=False``: the batch holds the workers' uint8 crops (:func:`collate_decoded`), copied to the
+    device in one transfer; ``True``: it holds encoded JPEGs (:func:`collate_raw`), decoded with nvJPEG and
+    cropped here first."""
+
+    def __init__(self, recipe: Recipe, device, bad_images: str = "skip", on_skip=None,
+                 gpu_decode: bool = False):
         self.r = recipe
         self.device = torch.device(device)
         self.bad_images = bad_images
         self.on_skip = on_skip  # called with the path of an image the decoders could not read
+        self.gpu_decode = gpu_decode
         self.mean = recipe.mean.to(self.device).view(1, 3, 1, 1)
         self.std = recipe.std.to(self.device).view(1, 3, 1, 1)
 
@@ -525,38 +618,50 @@ class GpuAugment:
 
     def _decode_one(self, data, path):
         try:
-            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        except RuntimeError:
-            pass
-        try:
-            img = Image.open(io.BytesIO(data.numpy().tobytes()))
-            img.load()
-            pixels = torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1)
-            return pixels.to(self.device)
-        except _DECODE_ERRORS as e:
+            return decode_pixels(data, path, self.device)
+        except ImageError:
             if self.bad_images == "fail":
-                raise ImageError(f"cannot read image {str(path)!r}: {type(e).__name__}: {e}") from e
+                raise
             if self.on_skip is not None:
                 self.on_skip(path)
             return None
 
-    def __call__(self, batch):
-        datas, decoded, params, paths, labels = batch
-        images = self.decode(datas, decoded, paths)
+    def crop(self, images: list[torch.Tensor | None], crops: list, paths) -> torch.Tensor:
+        """The decoded images' boxes resized to the recipe size: ``(B, 3, H, W)`` 0..255 floats."""
         readable = [k for k, img in enumerate(images) if img is not None]
         if not readable:
             raise ImageError(f"no image of the batch can be decoded: {paths}")
-        p = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
-        crops = params["crop"].tolist()
         r = self.r
         # an image no decoder reads (data.bad_images=skip) takes the pixels of a readable one of its batch
-        x = torch.cat([
+        return torch.cat([
             resized_crop(images[k] if images[k] is not None else images[readable[0]],
                          crops[k] if images[k] is not None else crops[readable[0]], r.size, r.interpolation)
             for k in range(len(images))
         ])  # fmt: skip
+
+    def __call__(self, batch, mark=None):
+        """The batch's images and targets on the device. ``mark``, if given, is called with the name of
+        each stage once its work is queued ("decode", "crop" with nvJPEG; "upload", "augment"): the
+        loader benchmark times the stages with it."""
+        if self.gpu_decode:
+            datas, decoded, params, paths, labels = batch
+            images = self.decode(datas, decoded, paths)
+            if mark is not None:
+                mark("decode")
+            x = self.crop(images, params["crop"].tolist(), paths)
+            if mark is not None:
+                mark("crop")
+        else:
+            crops, params, paths, labels = batch
+            x = crops.to(self.device, non_blocking=True).float()
+        p = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
+        y = labels.to(self.device, non_blocking=True)
+        if mark is not None:
+            mark("upload")
         x = self.augment(x, p, host=params)
-        return x, labels.to(self.device, non_blocking=True)
+        if mark is not None:
+            mark("augment")
+        return x, y
 
     def augment(self, x: torch.Tensor, p: dict, host: dict | None = None) -> torch.Tensor:
         """Everything after the crop, on a (B, 3, H, W) batch of 0..255 floats: flips, RandAugment,
@@ -728,23 +833,30 @@ def build_gpu_train_loader(dataset: Dataset, data, aug, batch_size: int, device,
                            persistent_workers: bool = True, prefetch_factor: int = 2,
                            ahead: int = 0) -> GpuTrainLoader:
     """The GPU-path loader over ``dataset`` (from :func:`~gspn2.train.data.build_dataset`): same order,
-    same per-sample seeds as :func:`~gspn2.train.data.build_train_loader`; ``ahead``: batches a
+    same per-sample seeds as :func:`~gspn2.train.data.build_train_loader`; ``data.gpu_decode`` chooses
+    where the images are decoded (the workers, or nvJPEG on the device); ``ahead``: batches a
     background thread prepares in advance (``data.gpu_prefetch``)."""
+    gpu_decode = getattr(data, "gpu_decode", False)
+    if not isinstance(gpu_decode, bool):
+        raise TypeError(f"data.gpu_decode must be true or false, got {gpu_decode!r}")
     if ahead > 0 and num_workers == 0:
         # the thread would run the samples' seeded draws (SeededSamples saves, reseeds and restores the
         # process-wide random state) while the training loop draws from that state too
         raise ValueError("data.gpu_prefetch > 0 needs data.num_workers >= 1")
     recipe = recipe_of(data, aug)
-    raw = raw_dataset(dataset, RecipeSampler(recipe))
-    base = raw
+    sampler = RecipeSampler(recipe)
+    view = raw_dataset(dataset, sampler) if gpu_decode else decoded_dataset(dataset, sampler)
+    base = view
     while isinstance(base, Subset):
         base = base.dataset
     loader = build_train_loader(
-        raw, batch_size, world_size, rank, seed, num_workers, pin_memory, repeats=repeats,
-        persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, collate_fn=collate_raw,
+        view, batch_size, world_size, rank, seed, num_workers, pin_memory, repeats=repeats,
+        persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+        collate_fn=collate_raw if gpu_decode else collate_decoded,
     )
 
     def on_skip(path):  # rare: a search over the file list beats holding a path -> index map for ImageNet
         base.skipped[next(i for i, (p, _) in enumerate(base.samples) if p == path)] = True
 
-    return GpuTrainLoader(loader, GpuAugment(recipe, device, base.bad_images, on_skip), ahead=ahead)
+    augment = GpuAugment(recipe, device, base.bad_images, on_skip, gpu_decode=gpu_decode)
+    return GpuTrainLoader(loader, augment, ahead=ahead)

@@ -208,3 +208,19 @@ def test_loader_keys_compose_and_are_checked():
     check_train_config(
         compose_cfg([*imagenet, "data.pipeline=gpu", "data.num_workers=0", "data.gpu_prefetch=0"]), check_paths=False
     )
+
+
+
+def test_gpu_decode_is_a_checked_bool_off_by_default():
+    imagenet = ["experiment=in1k_gspn2_tiny", "data.root=/x"]
+    cfg = compose_cfg(imagenet)
+    assert cfg.data.gpu_decode is False
+    assert compose_cfg([*imagenet, "data.pipeline=gpu", "data.gpu_decode=true"]).data.gpu_decode is True
+    with pytest.raises(Exception, match=r"override data\.gpu_decode=maybe") as info:
+        compose_cfg([*imagenet, "data.gpu_decode=maybe"])
+    assert "'maybe' is not a valid bool" in str(info.value.__cause__)
+    # a config assembled without the schema (its types unchecked) still meets the value check
+    loose = OmegaConf.create(OmegaConf.to_container(cfg))
+    loose.data.gpu_decode = "yes"
+    with pytest.raises(ConfigError, match="data.gpu_decode must be true or false; got 'yes'"):
+        check_train_config(loose, check_paths=False)

@@ -1,6 +1,6 @@
 """The GPU input path's logic, run on CPU tensors: parameter draws against timm's transforms (same seed,
-same draws; many draws, same distributions), pixel ops against PIL, the loader's interface and
-determinism, unreadable images."""
+same draws; many draws, same distributions), pixel ops against PIL, the workers' uint8 crops against
+PIL, the loader's interface and determinism, unreadable images (worker decoding and nvJPEG decoding)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms as tvt
 
+from types import SimpleNamespace
+
 from gspn2.train.config import AugConfig, DataConfig
 from gspn2.train.data import (
     build_dataset,
@@ -36,6 +38,8 @@ from gspn2.train.gpu_data import (
     RecipeSampler,
     apply_ra_op,
     build_gpu_train_loader,
+    collate_decoded,
+    decoded_dataset,
     erase_mask,
     recipe_of,
     resized_crop,
@@ -48,11 +52,17 @@ def jpeg_root(tmp_path_factory):
     return jpeg_folder(tmp_path_factory, "gpu_jpegs", classes=2, train_per_class=4)
 
 
-def _cfg(root="/unused", img_size=48, **aug):
-    d = DataConfig(root=str(root), num_classes=2, img_size=img_size, reduced_decode=False)
+def _cfg(root="/unused", img_size=48, gpu_decode=False, **aug):
+    d = DataConfig(root=str(root), num_classes=2, img_size=img_size, reduced_decode=False,
+                   gpu_decode=gpu_decode)
     d = OmegaConf.structured(d)
     a = OmegaConf.structured(AugConfig(**aug))
     return d, a
+
+
+def _params(raw):
+    """The parameters of a raw batch of either decoding path (collate_decoded or collate_raw)."""
+    return raw[1] if isinstance(raw[0], torch.Tensor) else raw[2]
 
 
 def _seed(seed):  # what SeededSamples does before each sample
@@ -277,10 +287,11 @@ def test_crop_flip_and_erasing_geometry_match_the_cpu_ops(jpeg_root):
     assert noise.std() > 0.5 and noise.abs().mean() < 1.5  # per-pixel standard normal noise
 
 
-def test_gpu_pipeline_on_cpu_tensors_reproduces_the_cpu_pipeline(jpeg_root):
+@pytest.mark.parametrize("gpu_decode", [False, True])
+def test_gpu_pipeline_on_cpu_tensors_reproduces_the_cpu_pipeline(jpeg_root, gpu_decode):
     """Same seed, same sample: the GPU path's images are the CPU path's up to interpolation kernels
     (erased samples compared outside the box, whose noise is drawn apart)."""
-    data, aug = _cfg(img_size=48)
+    data, aug = _cfg(img_size=48, gpu_decode=gpu_decode)
     dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
     cpu = build_train_loader(dataset, 4, 1, 0, seed=3, num_workers=0, pin_memory=False)
     gpu = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=3, num_workers=0, pin_memory=False)
@@ -293,14 +304,15 @@ def test_gpu_pipeline_on_cpu_tensors_reproduces_the_cpu_pipeline(jpeg_root):
         for (xc, yc), (xg, yg), raw in zip(cpu, gpu, raws):
             assert torch.equal(yc, yg) and xg.shape == xc.shape == (4, 3, 48, 48)
             assert xg.dtype == torch.float32
-            keep = ~erase_mask(raw[2]["erase"], 48, 48).expand_as(xg)
+            keep = ~erase_mask(_params(raw)["erase"], 48, 48).expand_as(xg)
             diffs.append((xc - xg).abs()[keep].mean().item())
     # normalised units (1 level of 0..255 is ~0.017): on average under half a level apart
     assert np.mean(diffs) < 0.02 and max(diffs) < 0.06, diffs
 
 
-def test_gpu_loader_is_deterministic_and_keeps_the_trainer_interface(jpeg_root):
-    data, aug = _cfg(img_size=32)
+@pytest.mark.parametrize("gpu_decode", [False, True])
+def test_gpu_loader_is_deterministic_and_keeps_the_trainer_interface(jpeg_root, gpu_decode):
+    data, aug = _cfg(img_size=32, gpu_decode=gpu_decode)
     dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
 
     def epoch(loader, e):
@@ -309,10 +321,12 @@ def test_gpu_loader_is_deterministic_and_keeps_the_trainer_interface(jpeg_root):
         return [x for x, _ in loader]
 
     a = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=1, num_workers=0, pin_memory=False)
-    b = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=1, num_workers=1, pin_memory=False,
+    b = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=1, num_workers=2, pin_memory=False,
                                prefetch_factor=2)
-    a0, a1, b0 = epoch(a, 0), epoch(a, 1), epoch(b, 0)
+    a0, a1, b0, a0_again = epoch(a, 0), epoch(a, 1), epoch(b, 0), epoch(a, 0)
+    assert len(a0) == len(b0) == 2 and a0[0].shape == (4, 3, 32, 32)
     assert all(torch.equal(x, y) for x, y in zip(a0, b0))  # worker count does not change the images
+    assert all(torch.equal(x, y) for x, y in zip(a0, a0_again))  # the seed and epoch decide them
     assert not torch.equal(a0[0], a1[0])
 
 
@@ -342,7 +356,8 @@ def test_batches_prepared_ahead_by_a_thread_are_the_same(jpeg_root):
         GpuTrainLoader(ahead.loader, ahead.augment, ahead=-1)
 
 
-def test_unreadable_images_are_skipped_and_counted(jpeg_root, tmp_path):
+@pytest.mark.parametrize("gpu_decode", [False, True])
+def test_unreadable_images_are_skipped_and_counted(jpeg_root, tmp_path, gpu_decode):
     root = tmp_path / "bad"
     shutil.copytree(jpeg_root, root)
     files = sorted((root / "train").rglob("*.JPEG"))
@@ -352,7 +367,7 @@ def test_unreadable_images_are_skipped_and_counted(jpeg_root, tmp_path):
     png = files[2].with_suffix(".png")
     Image.open(files[2]).convert("RGB").save(png)  # another format: the worker decodes it
     files[2].unlink()
-    data, aug = _cfg(img_size=32)
+    data, aug = _cfg(img_size=32, gpu_decode=gpu_decode)
     dataset = build_dataset(root, "train", build_transform(data, aug, is_training=True))
     loader = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=0, num_workers=0,
                                     pin_memory=False)
@@ -360,8 +375,13 @@ def test_unreadable_images_are_skipped_and_counted(jpeg_root, tmp_path):
     batches = list(loader)
     assert [x.shape[0] for x, _ in batches] == [4, 4] and all(torch.isfinite(x).all() for x, _ in batches)
     skipped = skipped_images(dataset)
-    # the PNG is read; the header-less file is caught in the worker, the truncated one by both decoders
+    # the PNG is read; the header-less file is caught in the worker, the truncated one by the worker's
+    # decoders (worker decoding) or by nvJPEG and PIL (gpu_decode)
     assert sorted(skipped) == [str(files[0]), str(files[1])]
+    if not gpu_decode:  # a skipped sample is replaced by the next readable image, as on the CPU path
+        paths = [path for raw in loader.loader for path in raw[2]]
+        assert len(paths) == 8 and str(png) in paths
+        assert set(paths) <= {str(f) for f in (root / "train").rglob("*.*")} - {str(files[0]), str(files[1])}
     with pytest.raises(Exception, match=r"not an image|cannot read image"):
         bad = build_dataset(root, "train", build_transform(data, aug, is_training=True), bad_images="fail")
         fail = build_gpu_train_loader(bad, data, aug, 4, "cpu", 1, 0, seed=0, num_workers=0, pin_memory=False)
@@ -380,3 +400,83 @@ def test_recipes_the_gpu_path_does_not_implement_are_refused():
     assert r.jitter is None and r.ra_layers == 2 and r.erasing.per_pixel  # RandAugment turns jitter off
     assert r.mean.tolist() == pytest.approx([0.485, 0.456, 0.406]) and r.ra_fill == (124, 116, 104)
     assert math.isclose(r.ratio[1], 4 / 3) and r.size == (48, 48)
+
+
+def test_worker_crops_match_pils_resize_of_the_box(jpeg_root):
+    """Worker decoding: libjpeg-turbo's decode, then torch's uint8 antialiased resize of the drawn box,
+    against Pillow's decode and ``resize(box=...)`` of the same box, and against the crop-then-resize of
+    timm's CPU transform (torchvision's ``resized_crop`` on the PIL image).
+
+    Tolerances, from the two resamplers' rounding: against ``resize(box=...)``, at most 2 levels per
+    pixel and under 0.1 on average, inside a 3-pixel border (at the border Pillow's kernels read pixels
+    outside the box, which a crop does not have); against crop-then-resize, the whole image, at most
+    4 levels and under 0.35 on average."""
+    for interpolation, resample in (("bicubic", Image.Resampling.BICUBIC),
+                                    ("bilinear", Image.Resampling.BILINEAR)):
+        data, aug = _cfg(img_size=40, train_interpolation=interpolation)
+        recipe = recipe_of(data, aug)
+        assert recipe.interpolation == interpolation
+        view = decoded_dataset(build_dataset(jpeg_root, "train", None), RecipeSampler(recipe))
+        for index in range(len(view)):
+            _seed(index)
+            (crop, params, path), _ = view[index]
+            assert crop.dtype == torch.uint8 and crop.shape == (3, 40, 40)
+            i, j, h, w = params["crop"].tolist()
+            full = read_image(path)
+            boxed = _t(full.resize((40, 40), resample, box=(j, i, j + w, i + h)))[0]
+            inner = (crop.int() - boxed.int())[:, 3:-3, 3:-3].abs()
+            assert inner.max() <= 2 and inner.float().mean() < 0.1, (path, (i, j, h, w), inner.max())
+            cropped = _t(tvt.functional.resized_crop(full, i, j, h, w, [40, 40], tvt.InterpolationMode(
+                interpolation)))[0]
+            whole = (crop.int() - cropped.int()).abs()
+            assert whole.max() <= 4 and whole.float().mean() < 0.35, (path, (i, j, h, w), whole.max())
+
+
+def test_worker_decoding_draws_what_timms_transform_draws(jpeg_root):
+    """The parameters drawn from the worker-decoded image's size are the CPU transform's, seed by seed."""
+    data, aug = _cfg()
+    recorder = _Recorder(data, aug)
+    recipe = recipe_of(data, aug)
+    view = decoded_dataset(build_dataset(jpeg_root, "train", None), RecipeSampler(recipe))
+    erased = 0
+    for seed in range(40):
+        index = seed % len(view)
+        _seed(seed)
+        (_, p, path), _ = view[index]
+        _seed(seed)
+        ref = recorder(read_image(path))
+        assert tuple(p["crop"].tolist()) == ref["crop"] and bool(p["flip"][0]) == ref["hflip"]
+        ra, erase = _mine(None, recipe, p)
+        assert [name for name, _ in ra] == [name for name, _ in ref["ra"]]
+        assert [arg for _, arg in ra] == pytest.approx([arg for _, arg in ref["ra"]])
+        assert erase == ref["erase"]
+        erased += erase is not None
+    assert erased > 3
+
+
+def test_worker_decoded_batches_reach_the_device_as_uint8_and_only_augment_there(jpeg_root):
+    data, aug = _cfg(img_size=32)
+    dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
+    loader = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=2, num_workers=0,
+                                    pin_memory=False)
+    loader.sampler.set_epoch(0)
+    raw = next(iter(loader.loader))
+    assert raw[0].dtype == torch.uint8 and raw[0].shape == (4, 3, 32, 32) and raw[3].shape == (4,)
+    stages = []
+    x, y = loader.augment(raw, mark=stages.append)
+    assert stages == ["upload", "augment"] and x.shape == (4, 3, 32, 32) and x.dtype == torch.float32
+    # the augmentation is the same code as the nvJPEG path's, applied to the workers' crops
+    expected = loader.augment.augment(raw[0].float(), raw[1])
+    assert torch.equal(x, expected) and torch.equal(y, raw[3])
+    nv_data, nv_aug = _cfg(img_size=32, gpu_decode=True)
+    nv = build_gpu_train_loader(dataset, nv_data, nv_aug, 4, "cpu", 1, 0, seed=2, num_workers=0,
+                                pin_memory=False)
+    nv.sampler.set_epoch(0)
+    stages.clear()
+    nv.augment(next(iter(nv.loader)), mark=stages.append)
+    assert stages == ["decode", "crop", "upload", "augment"]
+    with pytest.raises(TypeError, match="data.gpu_decode must be true or false, got 'yes'"):
+        bad = SimpleNamespace(**{**OmegaConf.to_container(data), "gpu_decode": "yes"})
+        build_gpu_train_loader(dataset, bad, aug, 4, "cpu", 1, 0, seed=2, num_workers=0, pin_memory=False)
+    assert collate_decoded([((raw[0][k], {"a": torch.tensor(k)}, "p"), 1) for k in range(2)])[0].shape == (
+        2, 3, 32, 32)
