@@ -33,6 +33,7 @@ def test_measures_the_experiments_loader(bench, tiny_root, tmp_path):
     assert report["aug"]["auto_augment"] == "rand-m9-mstd0.5-inc1" and report["aug"]["reprob"] == 0.25
     (r,) = report["results"]
     assert r["pipeline"] == "cpu" and r["num_workers"] == 0 and r["batches"] == 3 and r["warmup_batches"] == 1
+    assert r["variant"] == "cpu" and r["gpu_decode"] is None and r["breakdown"] is None
     assert r["batch_shape"] == [2, 3, 224, 224]
     assert r["img_per_s"] == pytest.approx(3 * 2 / r["seconds"]) and r["img_per_s"] > 0
     assert r["epochs_started_while_timed"] == 1  # 1 + 3 batches run past the 3-batch epoch
@@ -45,17 +46,39 @@ def test_workers_default_to_the_config(bench, tiny_root, capsys):
     assert "pipeline cpu workers   0:" in capsys.readouterr().out
 
 
-def test_measures_both_pipelines(bench, tiny_root, capsys):
-    # gpu_prefetch=0: its thread needs worker processes, and this run also measures 0 workers
+def test_measures_the_three_input_paths_with_their_breakdown(bench, tiny_root, capsys):
+    # gpu_prefetch=0: its thread needs worker processes, and this run measures 0 workers
     report = bench.main([str(tiny_root), *CPU, "data.gpu_prefetch=0", "--pipeline", "cpu", "gpu",
-                         "--workers", "0", "1", "--batches", "2", "--warmup", "1"])
-    runs = [(r["pipeline"], r["num_workers"]) for r in report["results"]]
-    assert runs == [("cpu", 0), ("cpu", 1), ("gpu", 0), ("gpu", 1)]
+                         "gpu-nvjpeg", "--workers", "0", "--batches", "2", "--warmup", "1", "--breakdown"])
+    runs = [(r["variant"], r["pipeline"], r["gpu_decode"]) for r in report["results"]]
+    assert runs == [("cpu", "cpu", None), ("gpu", "gpu", False), ("gpu-nvjpeg", "gpu", True)]
     for r in report["results"]:
-        # the GPU path yields the same batches, decoded and augmented on the device (here the CPU)
+        # the GPU paths yield the same batches, augmented on the device (here the CPU)
         assert r["batch_shape"] == [2, 3, 224, 224] and r["img_per_s"] > 0
+    cpu, gpu, nvjpeg = report["results"]
+    assert cpu["breakdown"] is None  # timm's transforms run in the workers: nothing to split
+    assert list(gpu["breakdown"]["ms_per_batch"]) == ["wait", "upload", "augment"]
+    assert list(nvjpeg["breakdown"]["ms_per_batch"]) == ["wait", "decode", "crop", "upload", "augment"]
+    for r in (gpu, nvjpeg):
+        b = r["breakdown"]
+        assert b["batches"] == 2 and b["warmup_batches"] == 1 and b["img_per_s"] > 0
+        assert all(ms >= 0 for ms in b["ms_per_batch"].values()) and b["ms_per_batch"]["augment"] > 0
+        # the stages cover the pass: its rate is the batch size over their sum
+        assert b["img_per_s"] == pytest.approx(2 / (sum(b["ms_per_batch"].values()) / 1000), rel=1e-6)
     out = capsys.readouterr().out
-    assert "pipeline gpu workers   1:" in out and "pipeline cpu workers   0:" in out
+    assert "pipeline gpu-nvjpeg workers   0:" in out and "pipeline cpu workers   0:" in out
+    assert out.count("breakdown, ms per batch") == 2 and "decode" in out.splitlines()[-1]
+
+
+def test_breakdown_after_the_prefetch_thread_with_a_worker(bench, tiny_root, capsys):
+    # the throughput pass runs the data.gpu_prefetch thread, the breakdown pass the worker's batches inline
+    report = bench.main([str(tiny_root), *CPU, "data.gpu_prefetch=2", "--pipeline", "gpu", "--workers", "1",
+                         "--batches", "2", "--warmup", "1", "--breakdown"])
+    (r,) = report["results"]
+    assert (r["variant"], r["num_workers"], report["data"]["gpu_prefetch"]) == ("gpu", 1, 2)
+    assert r["breakdown"]["batches"] == 2 and r["img_per_s"] > 0
+    assert r["epochs_started_while_timed"] == 0 and r["batch_shape"] == [2, 3, 224, 224]  # 1 + 2 of 3
+    assert "pipeline gpu workers   1:" in capsys.readouterr().out
 
 
 def test_workers_default_to_the_cpus_when_null(bench, tiny_root):

@@ -1,5 +1,6 @@
 """The GPU input path on a GPU: nvJPEG's batched decode, and the same batches as the CPU-tensor run of
-the same pipeline (tests/train/test_gpu_data.py checks that one against timm and PIL)."""
+the same pipeline, for worker decoding and nvJPEG decoding (tests/train/test_gpu_data.py checks the
+CPU-tensor run against timm and PIL)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def test_nvjpeg_batch_decode_matches_the_cpu_decoder(jpeg_root):
         assert diff.mean() < 6.0 and psnr > 30.0, (diff.mean().item(), psnr.item())
 
 
-def test_cuda_batches_match_the_cpu_tensor_run(jpeg_root):
-    data = OmegaConf.structured(DataConfig(root=str(jpeg_root), num_classes=2, img_size=224))
+@pytest.mark.parametrize("gpu_decode", [False, True])
+def test_cuda_batches_match_the_cpu_tensor_run(jpeg_root, gpu_decode):
+    data = OmegaConf.structured(DataConfig(root=str(jpeg_root), num_classes=2, img_size=224,
+                                           gpu_decode=gpu_decode))
     aug = OmegaConf.structured(AugConfig())
     dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
     on_gpu = build_gpu_train_loader(dataset, data, aug, 16, "cuda", 1, 0, seed=0, num_workers=2,
@@ -55,9 +58,11 @@ def test_cuda_batches_match_the_cpu_tensor_run(jpeg_root):
         for (xg, yg), (xc, yc), raw in zip(on_gpu, on_cpu, raws):
             assert xg.is_cuda and yg.is_cuda and xg.shape == (16, 3, 224, 224) and xg.dtype == torch.float32
             assert torch.equal(yg.cpu(), yc)
-            keep = ~erase_mask(raw[2]["erase"], 224, 224).expand_as(xc)  # noise differs per device
+            params = raw[2] if gpu_decode else raw[1]
+            keep = ~erase_mask(params["erase"], 224, 224).expand_as(xc)  # noise differs per device
             diffs.append((xg.cpu() - xc).abs()[keep].mean().item())
-    # decoder rounding, amplified where RandAugment's ops (equalize, solarize, posterize) have steps
+    # nvJPEG: decoder rounding, amplified where RandAugment's ops (equalize, solarize, posterize) have
+    # steps; worker decoding: the same uint8 crops on both devices, only the ops' float rounding differs
     assert np.mean(diffs) < 0.05, diffs
     # the same seed and epoch give the same batch again
     on_gpu.sampler.set_epoch(0)
