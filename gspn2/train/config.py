@@ -53,7 +53,7 @@ class DataConfig:
     pipeline: str = "cpu"  # training input: cpu (timm transforms in workers) | gpu (GPU augmentation)
     gpu_decode: bool = False  # gpu pipeline: false: workers decode + crop (uint8) | true: nvJPEG on the GPU
     reduced_decode: bool = True  # cpu pipeline: decode JPEGs at 1/2, 1/4, 1/8 size when the crop allows
-    gpu_prefetch: int = 2  # gpu pipeline: batches a background thread decodes + augments ahead (0: inline)
+    gpu_prefetch: int = 2  # gpu pipeline: batches a background thread prepares on the GPU ahead (0: inline)
     train_subset: Optional[int] = None  # use a fixed random subset of this many training images
     val_subset: Optional[int] = None
     # an unreadable image: "skip" leaves it out and counts it (logged per epoch, in results.json),
