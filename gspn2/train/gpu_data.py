@@ -43,7 +43,7 @@ from PIL import Image
 from timm.data.auto_augment import LEVEL_TO_ARG, RandAugment
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from torchvision import transforms as tvt
 from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -384,7 +384,9 @@ def collate_decoded(batch):
     items, labels = zip(*batch)
     crops, params, paths = zip(*items)
     stacked = {k: torch.stack([p[k] for p in params]) for k in params[0]}
-    return torch.stack(crops), stacked, list(paths), torch.tensor(labels, dtype=torch.int64)
+    # default_collate stacks straight into shared memory in a worker: the batch is not copied again
+    # on its way to the main process
+    return default_collate(list(crops)), stacked, list(paths), torch.tensor(labels, dtype=torch.int64)
 
 
 # ------------------------------------------------------------------------------------ the pixel operations
