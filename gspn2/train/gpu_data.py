@@ -478,51 +478,67 @@ def op_equalize(x, arg):
     return lut.gather(1, flat).view(b, c, h, w).to(x.dtype)
 
 
+_FILLS: dict = {}
+
+
+def _fill_tensor(fill, dtype, device) -> torch.Tensor:
+    """``fill`` as a (1, 3, 1, 1) tensor on ``device``, made once: a fresh host-to-device copy of pageable
+    memory would make the batch's host thread wait for the GPU."""
+    key = (tuple(fill), dtype, device)
+    if key not in _FILLS:
+        _FILLS[key] = torch.tensor(fill, dtype=dtype).view(1, 3, 1, 1).to(device)
+    return _FILLS[key]
+
+
+def _centres(h: int, w: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output pixel centres ``gx, gy`` (each ``(h, w)``) and ``(w, h)`` as a (1, 2, 1, 1) tensor,
+    made once per size (like :func:`_fill_tensor`, without a host-to-device copy per batch)."""
+    key = (h, w, dtype, device)
+    if key not in _FILLS:
+        ys = torch.arange(h, dtype=dtype, device=device) + 0.5
+        xs = torch.arange(w, dtype=dtype, device=device) + 0.5
+        gy, gx = torch.meshgrid(ys, xs, indexing="ij")
+        size = torch.stack((torch.full((), w, dtype=dtype, device=device),
+                            torch.full((), h, dtype=dtype, device=device))).view(1, 2, 1, 1)
+        _FILLS[key] = (gx, gy, size)
+    return _FILLS[key]
+
+
 def _affine(x, matrix, fill, mode):
     """PIL's ``transform(AFFINE)``: output pixel centre ``(x + .5, y + .5)`` samples the input at
     ``matrix @ (x + .5, y + .5, 1)``; centres that land outside the input get ``fill``.
 
     ``matrix``: (B, 2, 3) in pixels."""
     b, _, h, w = x.shape
-    ys = torch.arange(h, dtype=x.dtype, device=x.device) + 0.5
-    xs = torch.arange(w, dtype=x.dtype, device=x.device) + 0.5
-    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
-    m = matrix.to(x.dtype)
-    u = m[:, 0, 0, None, None] * gx + m[:, 0, 1, None, None] * gy + m[:, 0, 2, None, None]
-    v = m[:, 1, 0, None, None] * gx + m[:, 1, 1, None, None] * gy + m[:, 1, 2, None, None]
-    inside = ((u >= 0) & (u < w) & (v >= 0) & (v < h)).unsqueeze(1)
-    grid = torch.stack((2 * u / w - 1, 2 * v / h - 1), dim=-1)
+    gx, gy, size = _centres(h, w, x.dtype, x.device)
+    m = matrix.to(x.dtype).view(b, 2, 3, 1, 1)
+    uv = m[:, :, 0] * gx + m[:, :, 1] * gy + m[:, :, 2]  # (B, 2, h, w): u (input x), v (input y)
+    inside = ((uv >= 0) & (uv < size)).all(dim=1, keepdim=True)
+    grid = (2 * uv / size - 1).permute(0, 2, 3, 1)
     out = F.grid_sample(x, grid, mode=mode, padding_mode="border", align_corners=False)
-    fill_t = torch.tensor(fill, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    return _q(torch.where(inside, out, fill_t))
+    return _q(torch.where(inside, out, _fill_tensor(fill, x.dtype, x.device)))
 
 
 def _affine_matrix(name, arg, w, h):
-    """The (B, 2, 3) output-to-input matrices timm's geometric ops pass to PIL."""
-    n = arg.shape[0]
-    m = torch.zeros(n, 2, 3, dtype=torch.float64, device=arg.device)
-    m[:, 0, 0] = 1
-    m[:, 1, 1] = 1
+    """The (B, 2, 3) output-to-input matrices timm's geometric ops pass to PIL (float64)."""
     a = arg.double()
+    one, zero = torch.ones_like(a), torch.zeros_like(a)
     if name == "ShearX":
-        m[:, 0, 1] = a
+        rows = (one, a, zero, zero, one, zero)
     elif name == "ShearY":
-        m[:, 1, 0] = a
+        rows = (one, zero, zero, a, one, zero)
     elif name == "TranslateXRel":
-        m[:, 0, 2] = a * w
+        rows = (one, zero, a * w, zero, one, zero)
     elif name == "TranslateYRel":
-        m[:, 1, 2] = a * h
+        rows = (one, zero, zero, zero, one, a * h)
     elif name == "Rotate":  # PIL's rotate about the centre, counter-clockwise by `arg` degrees
         angle = -torch.deg2rad(a % 360.0)
         cos, sin = torch.cos(angle), torch.sin(angle)
         cx, cy = w / 2.0, h / 2.0
-        m[:, 0, 0], m[:, 0, 1] = cos, sin
-        m[:, 1, 0], m[:, 1, 1] = -sin, cos
-        m[:, 0, 2] = cos * -cx + sin * -cy + cx
-        m[:, 1, 2] = -sin * -cx + cos * -cy + cy
+        rows = (cos, sin, cos * -cx + sin * -cy + cx, -sin, cos, -sin * -cx + cos * -cy + cy)
     else:
         raise ValueError(f"not a geometric op: {name}")
-    return m
+    return torch.stack(rows, dim=-1).view(-1, 2, 3)
 
 
 _PIXEL_OPS = {
@@ -545,6 +561,10 @@ _PIXEL_OPS = {
     "SharpnessIncreasing": op_sharpness,
 }
 _GEOMETRIC_OPS = ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
+
+
+#: torchvision's ColorJitter functions timm's recipe can draw, by their index in ``get_params``' order
+_JITTER_OPS = {0: op_brightness, 1: op_contrast, 2: op_color}
 
 
 def apply_ra_op(name: str, x: torch.Tensor, arg: torch.Tensor, fill=(128, 128, 128), mode="bicubic"):
@@ -674,33 +694,51 @@ class GpuAugment:
         flip = p["flip"]
         x = torch.where(flip[:, 0].view(-1, 1, 1, 1), x.flip(-1), x)
         x = torch.where(flip[:, 1].view(-1, 1, 1, 1), x.flip(-2), x)
-        for layer in range(r.ra_layers):
-            ops = host["ra_op"][:, layer]
-            for k in torch.unique(ops).tolist():
-                if k < 0:
-                    continue
-                idx = (ops == k).nonzero().flatten().to(x.device)
+        groups = self.groups(host, x.device)
+        for (kind, layer, k), idx in groups.items():
+            if kind == "ra":
                 x[idx] = apply_ra_op(r.ra_ops[k].name, x[idx], p["ra_arg"][idx, layer],
                                      r.ra_fill, r.ra_interpolation)
-        if r.jitter is not None:
-            x = self.jitter(x, host["jitter_order"], p["jitter_factor"], host["jitter_factor"])
+            else:  # colour jitter, in each image's drawn order: brightness (0), contrast (1), saturation (2)
+                x[idx] = _JITTER_OPS[k](x[idx], p["jitter_factor"][idx, k].to(x.dtype))
         x = (x / 255.0 - self.mean) / self.std
         if r.erasing is not None:
             x = self.erase(x, p["erase"], int(host["noise_seed"].sum()) % (2**62))
         return x
 
-    def jitter(self, x, order, factor, host_factor):
-        """torchvision's ColorJitter as timm applies it (to PIL images, hence PIL's ImageEnhance), per
-        image in its drawn order: brightness (0), contrast (1), saturation (2); hue (3) is refused by
-        :func:`recipe_of`."""
-        fns = {0: op_brightness, 1: op_contrast, 2: op_color}
-        for pos in range(4):
-            fn_id = order[:, pos]
-            for k, fn in fns.items():
-                idx = ((fn_id == k) & ~torch.isnan(host_factor[:, k])).nonzero().flatten().to(x.device)
-                if idx.numel():
-                    x[idx] = fn(x[idx], factor[idx, k].to(x.dtype))
-        return x
+    def groups(self, host: dict, device) -> dict:
+        """Which images each step of RandAugment and colour jitter takes, in the order the steps run:
+        ``{(kind, layer or position, op): device index tensor}``. Read off the host copy of the
+        parameters and sent in one non-blocking transfer (from pinned memory on CUDA), so that queueing
+        the batch's work never waits for the GPU. Jitter: torchvision's ColorJitter as timm applies it
+        (to PIL images, hence PIL's ImageEnhance); hue is refused by :func:`recipe_of`."""
+        r = self.r
+        keys, parts = [], []
+        for layer in range(r.ra_layers):
+            ops = host["ra_op"][:, layer]
+            for k in torch.unique(ops).tolist():
+                if k >= 0:
+                    keys.append(("ra", layer, k))
+                    parts.append((ops == k).nonzero().flatten())
+        if r.jitter is not None:
+            order, factor = host["jitter_order"], host["jitter_factor"]
+            for pos in range(order.shape[1]):
+                for k in _JITTER_OPS:
+                    idx = ((order[:, pos] == k) & ~torch.isnan(factor[:, k])).nonzero().flatten()
+                    if idx.numel():
+                        keys.append(("jitter", pos, k))
+                        parts.append(idx)
+        if not parts:
+            return {}
+        flat = torch.cat(parts)
+        if torch.device(device).type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        out, start = {}, 0
+        for key, part in zip(keys, parts):
+            out[key] = flat[start : start + part.numel()]
+            start += part.numel()
+        return out
 
     def erase(self, x, boxes, noise_seed):
         """timm's RandomErasing on normalised images: the boxes get standard-normal noise per pixel

@@ -87,3 +87,24 @@ def test_batches_prepared_ahead_on_a_side_stream_are_the_inline_ones(jpeg_root):
             assert torch.equal(xa, xb.clone()) and torch.equal(ya, yb)
             n += 1
         assert n == len(inline) == 4
+
+
+def test_augmenting_a_worker_batch_never_waits_for_the_gpu(jpeg_root):
+    """Queueing a batch's work (upload, RandAugment, erasing) makes no host-device synchronisation: a
+    sync would stall the host thread behind the training step's kernels on every op."""
+    data = OmegaConf.structured(DataConfig(root=str(jpeg_root), num_classes=2, img_size=224))
+    aug = OmegaConf.structured(AugConfig())
+    dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
+    loader = build_gpu_train_loader(dataset, data, aug, 16, "cuda", 1, 0, seed=3, num_workers=2,
+                                    pin_memory=True)
+    loader.sampler.set_epoch(0)
+    ops = set()
+    for batch in loader.loader:
+        ops |= {int(k) for k in batch[1]["ra_op"].flatten().tolist() if k >= 0}
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loader.augment(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(ops) >= 5  # the batches exercised several of RandAugment's ops (geometric ones among them)
