@@ -604,6 +604,13 @@ def erase_mask(boxes: torch.Tensor, h: int, w: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ the batch
 
 
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making the host wait (pinned, non-blocking on CUDA)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class GpuAugment:
     """Applies the recipe to a batch of the workers on ``device``: ``(images, targets)`` on ``device``,
     images normalised float32 ``(B, 3, H, W)``.
@@ -694,11 +701,12 @@ class GpuAugment:
         flip = p["flip"]
         x = torch.where(flip[:, 0].view(-1, 1, 1, 1), x.flip(-1), x)
         x = torch.where(flip[:, 1].view(-1, 1, 1, 1), x.flip(-2), x)
-        groups = self.groups(host, x.device)
-        for (kind, layer, k), idx in groups.items():
+        for kind, layer, k, idx, matrix in self.steps(host, x.shape[-2], x.shape[-1], x.device):
             if kind == "ra":
                 x[idx] = apply_ra_op(r.ra_ops[k].name, x[idx], p["ra_arg"][idx, layer],
                                      r.ra_fill, r.ra_interpolation)
+            elif kind == "affine":  # every geometric op of the layer in one sampling pass
+                x[idx] = _affine(x[idx], matrix, r.ra_fill, r.ra_interpolation)
             else:  # colour jitter, in each image's drawn order: brightness (0), contrast (1), saturation (2)
                 x[idx] = _JITTER_OPS[k](x[idx], p["jitter_factor"][idx, k].to(x.dtype))
         x = (x / 255.0 - self.mean) / self.std
@@ -706,20 +714,34 @@ class GpuAugment:
             x = self.erase(x, p["erase"], int(host["noise_seed"].sum()) % (2**62))
         return x
 
-    def groups(self, host: dict, device) -> dict:
-        """Which images each step of RandAugment and colour jitter takes, in the order the steps run:
-        ``{(kind, layer or position, op): device index tensor}``. Read off the host copy of the
-        parameters and sent in one non-blocking transfer (from pinned memory on CUDA), so that queueing
-        the batch's work never waits for the GPU. Jitter: torchvision's ColorJitter as timm applies it
-        (to PIL images, hence PIL's ImageEnhance); hue is refused by :func:`recipe_of`."""
+    def steps(self, host: dict, h: int, w: int, device) -> list:
+        """The batch's RandAugment and colour-jitter steps in the order they run, as ``(kind, layer or
+        position, op, image indices, affine matrices or None)``; kind ``ra`` (a pixel op), ``affine``
+        (all of a layer's geometric ops: an image takes one op per layer, so they are disjoint) or
+        ``jitter`` (torchvision's ColorJitter as timm applies it, to PIL images, hence PIL's
+        ImageEnhance; hue is refused by :func:`recipe_of`).
+
+        Everything is read off the host copy of the parameters and sent in one non-blocking transfer
+        per dtype (from pinned memory on CUDA), so that queueing the batch's work never waits for the GPU."""
         r = self.r
-        keys, parts = [], []
+        keys, parts, matrices = [], [], []
         for layer in range(r.ra_layers):
             ops = host["ra_op"][:, layer]
+            geometric = []
             for k in torch.unique(ops).tolist():
-                if k >= 0:
+                if k < 0:
+                    continue
+                idx = (ops == k).nonzero().flatten()
+                name = r.ra_ops[k].name
+                if name in _GEOMETRIC_OPS:
+                    geometric.append(idx)
+                    matrices.append(_affine_matrix(name, host["ra_arg"][idx, layer], w, h))
+                else:
                     keys.append(("ra", layer, k))
-                    parts.append((ops == k).nonzero().flatten())
+                    parts.append(idx)
+            if geometric:
+                keys.append(("affine", layer, -1))
+                parts.append(torch.cat(geometric))
         if r.jitter is not None:
             order, factor = host["jitter_order"], host["jitter_factor"]
             for pos in range(order.shape[1]):
@@ -729,15 +751,17 @@ class GpuAugment:
                         keys.append(("jitter", pos, k))
                         parts.append(idx)
         if not parts:
-            return {}
-        flat = torch.cat(parts)
-        if torch.device(device).type == "cuda":
-            flat = flat.pin_memory()
-        flat = flat.to(device, non_blocking=True)
-        out, start = {}, 0
-        for key, part in zip(keys, parts):
-            out[key] = flat[start : start + part.numel()]
-            start += part.numel()
+            return []
+        flat = _to_device(torch.cat(parts), device)
+        mats = _to_device(torch.cat(matrices), device) if matrices else None
+        out, start, m_start = [], 0, 0
+        for (kind, layer, k), part in zip(keys, parts):
+            n = part.numel()
+            matrix = None
+            if kind == "affine":
+                matrix, m_start = mats[m_start : m_start + n], m_start + n
+            out.append((kind, layer, k, flat[start : start + n], matrix))
+            start += n
         return out
 
     def erase(self, x, boxes, noise_seed):

@@ -287,11 +287,14 @@ def test_crop_flip_and_erasing_geometry_match_the_cpu_ops(jpeg_root):
     assert noise.std() > 0.5 and noise.abs().mean() < 1.5  # per-pixel standard normal noise
 
 
-@pytest.mark.parametrize("gpu_decode", [False, True])
-def test_gpu_pipeline_on_cpu_tensors_reproduces_the_cpu_pipeline(jpeg_root, gpu_decode):
+@pytest.mark.parametrize("gpu_decode,recipe", [(False, "imagenet"), (True, "imagenet"), (False, "jitter")])
+def test_gpu_pipeline_on_cpu_tensors_reproduces_the_cpu_pipeline(jpeg_root, gpu_decode, recipe):
     """Same seed, same sample: the GPU path's images are the CPU path's up to interpolation kernels
-    (erased samples compared outside the box, whose noise is drawn apart)."""
-    data, aug = _cfg(img_size=48, gpu_decode=gpu_decode)
+    (erased samples compared outside the box, whose noise is drawn apart). ``jitter``: colour jitter
+    instead of RandAugment."""
+    extra = {} if recipe == "imagenet" else dict(auto_augment=None)
+    data, aug = _cfg(img_size=48, gpu_decode=gpu_decode, **extra)
+    assert (recipe_of(data, aug).jitter is not None) == (recipe == "jitter")
     dataset = build_dataset(jpeg_root, "train", build_transform(data, aug, is_training=True))
     cpu = build_train_loader(dataset, 4, 1, 0, seed=3, num_workers=0, pin_memory=False)
     gpu = build_gpu_train_loader(dataset, data, aug, 4, "cpu", 1, 0, seed=3, num_workers=0, pin_memory=False)
