@@ -222,21 +222,21 @@ class _NormLinear(torch.autograd.Function):
             m = n.to(weight.dtype)
             if gate is not None:
                 m = m * F.silu(gate)
-            if chunks == 1:  # no split of the weight and bias: two dispatcher calls fewer here and in backward
-                outs = (F.linear(m, weight, bias),)
-            else:
-                biases = bias.chunk(chunks) if bias is not None else (None,) * chunks
-                outs = tuple(F.linear(m, w, b) for w, b in zip(weight.chunk(chunks), biases))
-        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, weight)
+            # One chunk: no split of the weight and bias. Several: the weight's chunks are saved, so backward
+            # does not split it again.
+            weights = weight.chunk(chunks) if chunks > 1 else (weight,)
+            biases = (bias.chunk(chunks) if chunks > 1 else (bias,)) if bias is not None else (None,) * chunks
+            outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, *weights)
         ctx.eps, ctx.chunks, ctx.has_bias = eps, chunks, bias is not None
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, gate, norm_weight, norm_bias, mean, rstd, weight = ctx.saved_tensors
+        x, gate, norm_weight, norm_bias, mean, rstd, *weights = ctx.saved_tensors
+        weight = weights[0]  # dtype and device of all chunks
         need = ctx.needs_input_grad
         grad_x = grad_gate = grad_nw = grad_nb = grad_w = grad_b = None
-        weights = weight.chunk(ctx.chunks) if ctx.chunks > 1 else (weight,)
         grads = [torch.zeros(g_shape, dtype=weight.dtype, device=weight.device) if g is None else g
                  for g, g_shape in zip(grad_outs, [(x.shape[0], w.shape[0]) for w in weights])]
         with autocast_off(x.device.type):
