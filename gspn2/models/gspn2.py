@@ -29,7 +29,8 @@ Speed (``docs/models.md``, "Speed"): with channels_last memory every 1x1 convolu
 contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the activation dtype under autocast,
 the local perception units are one ``gspn2.ops.depthwise_conv2d`` each (the residual added in the
 kernel), and in training autograd functions fuse each LayerNorm into the GEMM after it and GELU into
-``fc2``, recomputing the norms and activations in backward instead of saving them.
+``fc2``, recomputing the norms and activations in backward instead of saving them; the training mixer keeps
+its tensors as channels-last rows between GEMMs, so that few views and permutes reach the dispatcher.
 ``tests/models/_reference.py`` builds the same function from plain torch and timm modules, loading the
 same state dict: the oracle of the equivalence tests.
 """
