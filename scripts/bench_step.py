@@ -13,11 +13,19 @@ AdamW) is timed three ways:
 
     python scripts/bench_step.py                                              # the tiny trio
     python scripts/bench_step.py --models gspn2_tiny swin_tiny_patch4_window7_224 --repeats 3 --json s.json
+
+``--count-ops`` needs no GPU: it counts the ATen calls one training step's forward and backward dispatch
+(the host work that makes a step host-bound; a custom op such as ``gspn2::propagate`` is one call whatever
+its CPU implementation runs inside), at batch 1 (``--batch``), 224², bf16 autocast, channels_last, on the
+CPU (``--device``), and prints the total, the most frequent ops and the forward calls per block type:
+
+    python scripts/bench_step.py --count-ops --models gspn2_tiny swin_tiny_patch4_window7_224 convnext_tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -111,16 +119,125 @@ def measure(spec: str, batch: int, warmup: int, iters: int) -> dict:
     return row
 
 
+def _block_of(module_name: str, module, blocks: dict) -> None:
+    """Record in ``blocks`` (name -> class name) the modules a forward call is attributed to: every module
+    whose class name ends in ``Block`` (GSPN2Block, SwinTransformerBlock, ConvNeXtBlock, ...)."""
+    if type(module).__name__.endswith("Block"):
+        blocks[module_name] = type(module).__name__
+
+
+def count_ops(spec: str, batch: int = 1, size: int = 224, device: str = "cpu") -> dict:
+    """The ATen calls of one forward (cross-entropy included) and backward of ``spec`` in training mode.
+
+    Returns ``{"model", "total", "forward", "backward", "ops": {op: calls}, "blocks": {class: {...}}}``:
+    ``ops`` counts every call once by its overload packet (``aten.view``, ``gspn2.propagate``, ...) and sums
+    to ``total``; ``blocks`` gives, per block class, the number of blocks, their forward calls in all and per
+    block, and those per direct child of the block (``mixer``, ``mlp``, ...; ``(self)`` for the block's own).
+    Ops dispatched inside a call the mode sees (a custom op's CPU implementation, a kernel's internals) are
+    not counted: the mode is off while a call runs.
+    """
+    import timm
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import gspn2  # noqa: F401  (registers the gspn2_* models)
+
+    if batch < 1 or size < 1:
+        raise ValueError(f"count_ops: `batch` and `size` must be >= 1, got {batch} and {size}")
+    torch.manual_seed(0)
+    model = timm.create_model(spec, num_classes=1000).to(device).train().to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=device)
+
+    blocks: dict = {}
+    for name, m in model.named_modules():
+        _block_of(name, m, blocks)
+    stack: list = []  # names of the modules whose forward runs now, outermost first
+
+    def pre(name):
+        def hook(module, args):
+            stack.append(name)
+        return hook
+
+    def post(name):
+        def hook(module, args, out):
+            stack.pop()
+        return hook
+
+    def attribution():
+        """(block class, direct child of that block or ``(self)``) of the call running now, or None."""
+        for i, name in enumerate(stack):
+            if name in blocks:
+                child = stack[i + 1][len(name) + 1:].split(".")[0] if i + 1 < len(stack) else "(self)"
+                return blocks[name], child
+        return None
+
+    handles = []
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(pre(name)))
+        handles.append(m.register_forward_hook(post(name)))
+
+    phase = ["forward"]
+    ops: collections.Counter = collections.Counter()
+    per_phase: collections.Counter = collections.Counter()
+    per_block: dict = {}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            key = str(func.overloadpacket).replace("::", ".")
+            ops[key] += 1
+            per_phase[phase[0]] += 1
+            if phase[0] == "forward":
+                where = attribution()
+                if where is not None:
+                    per_block.setdefault(where[0], collections.Counter())[where[1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        phase[0] = "backward"
+        loss.backward()
+    for h in handles:
+        h.remove()
+    n_blocks = collections.Counter(blocks.values())
+    block_rows = {}
+    for cls, children in per_block.items():
+        calls = sum(children.values())
+        block_rows[cls] = {"blocks": n_blocks[cls], "forward_calls": calls,
+                           "per_block": calls / n_blocks[cls],
+                           "children_per_block": {k: v / n_blocks[cls] for k, v in children.most_common()}}
+    return {"model": spec, "batch": batch, "size": size, "total": sum(ops.values()),
+            "forward": per_phase["forward"], "backward": per_phase["backward"],
+            "ops": dict(ops.most_common()), "blocks": block_rows}
+
+
+def format_counts(row: dict, top: int = 15) -> str:
+    """The text ``--count-ops`` prints for one model."""
+    lines = [f"{row['model']}: {row['total']} aten calls (forward {row['forward']}, backward {row['backward']}) "
+             f"at batch {row['batch']}, {row['size']}x{row['size']}"]
+    lines.append("  top ops: " + ", ".join(f"{k} {v}" for k, v in list(row["ops"].items())[:top]))
+    for cls, b in row["blocks"].items():
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in b["children_per_block"].items())
+        lines.append(f"  {cls} x{b['blocks']}: forward {b['per_block']:.1f} calls per block ({parts})")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default 128; 1 with --count-ops)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all models, one process each")
     parser.add_argument("--json", default=None, help="write every row here")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count the aten calls of one forward+backward per model (no GPU; --batch defaults to 1)")
+    parser.add_argument("--device", default="cpu", help="device of --count-ops")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: measure one model
     args = parser.parse_args()
+    if args.batch is None:
+        args.batch = 1 if args.count_ops else 128
     for name in ("batch", "iters", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -132,6 +249,19 @@ def main() -> int:
 
     for spec in args.models:  # fail on a bad name before anything runs
         _check_model(spec)
+    if args.count_ops:
+        rows = []
+        for spec in args.models:
+            rows.append(count_ops(spec, batch=args.batch, device=args.device))
+            print(format_counts(rows[-1]), flush=True)
+        if args.json:
+            import timm
+            import torch
+
+            with open(args.json, "w") as f:
+                json.dump({"env": {"torch": torch.__version__, "timm": timm.__version__}, "args": vars(args),
+                           "rows": rows}, f, indent=1)
+        return 0
     import torch
 
     if not torch.cuda.is_available():

@@ -14,6 +14,7 @@ from gspn2.layers.pointwise import (
     from_rows,
     gelu_linear,
     norm_linear,
+    rows_linear,
     to_rows,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "gelu_linear",
     "layer_norm_last_dim",
     "norm_linear",
+    "rows_linear",
     "to_rows",
 ]

@@ -27,7 +27,9 @@ from timm.layers import register_notrace_function
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 
-__all__ = ["ChunkedConv1x1", "Conv1x1", "NormParams", "from_rows", "gelu_linear", "norm_linear", "to_rows"]
+__all__ = [
+    "ChunkedConv1x1", "Conv1x1", "NormParams", "from_rows", "gelu_linear", "norm_linear", "rows_linear", "to_rows"
+]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
 #: (:func:`norm_linear`): the ``norm`` argument of the mixer and the MLP.
@@ -36,7 +38,7 @@ NormParams = Tuple[torch.Tensor, torch.Tensor, float]
 # torch.fx leaves (timm's tracer list and a plain torch.fx.symbolic_trace): the autograd functions and
 # their argument checks cannot run on Proxies. The GSPN-2 blocks do not call them while fx traces
 # (gspn2.layers._trace); a traced module of one's own that does records one node each.
-for _name in ("gelu_linear", "norm_linear"):
+for _name in ("gelu_linear", "norm_linear", "rows_linear"):
     torch.fx.wrap(_name)
 
 
@@ -147,6 +149,68 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
 
 
+class _RowsLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)``, optionally ``+ skip_input * skip_scale`` (one ``addcmul``), with the
+    backward written out: one GEMM per gradient and a sum for the bias, where autograd's formulas for
+    ``addmm``, the weight transpose and ``addcmul`` dispatch three transposes and a reshape more."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, skip_input, skip_scale):
+        with autocast_off(x.device.type):
+            out = F.linear(x, weight, bias)
+            if skip_input is not None:
+                out = torch.addcmul(out, skip_input, skip_scale)
+        ctx.save_for_backward(x, weight, skip_input, skip_scale)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, skip_input, skip_scale = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x = grad_w = grad_b = grad_si = grad_ss = None
+        with autocast_off(x.device.type):
+            if need[0]:
+                grad_x = grad_out @ weight
+            if need[1]:
+                grad_w = grad_out.t() @ x
+            if ctx.has_bias and need[2]:
+                grad_b = grad_out.sum(0)
+            if skip_input is not None:
+                if need[3]:
+                    grad_si = grad_out * skip_scale
+                if need[4]:
+                    grad_ss = (grad_out * skip_input).sum(0)
+        return grad_x, grad_w, grad_b, grad_si, grad_ss
+
+
+@torch.jit.unused
+def rows_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    skip_input: Optional[torch.Tensor] = None,
+    skip_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias) [+ skip_input * skip_scale]`` on rows, for training: the same values and
+    saved tensors as the plain ops, fewer dispatcher calls in backward.
+
+    Under autocast ``x``, ``weight`` and ``bias`` are cast to the autocast dtype (as ``F.linear`` would be)
+    and ``skip_scale`` to ``skip_input``'s dtype; the casts happen outside the autograd function, so the
+    parameters' gradients reach them through the casts as they would through autocast.
+
+    Shapes: ``x (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None, ``skip_input (N, out)`` and
+    ``skip_scale (out,)`` (both or neither) ``-> (N, out)``.
+    """
+    if (skip_input is None) != (skip_scale is None):
+        raise ValueError("rows_linear: `skip_input` and `skip_scale` go together (both or neither)")
+    device_type = x.device.type
+    dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
+    if skip_input is not None and skip_scale is not None:
+        skip_scale = skip_scale.to(skip_input.dtype)
+    return _RowsLinear.apply(x.to(dt), weight.to(dt), _cast(bias, dt), skip_input, skip_scale)
+
+
 class _NormLinear(torch.autograd.Function):
     """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias)`` in ``chunks`` outputs, saving ``x``, its
     statistics and ``gate``; the normalised ``x`` is recomputed in backward."""
@@ -158,18 +222,21 @@ class _NormLinear(torch.autograd.Function):
             m = n.to(weight.dtype)
             if gate is not None:
                 m = m * F.silu(gate)
-            biases = bias.chunk(chunks) if bias is not None else (None,) * chunks
-            outs = tuple(F.linear(m, w, b) for w, b in zip(weight.chunk(chunks), biases))
-        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, weight)
+            # One chunk: no split of the weight and bias. Several: the weight's chunks are saved, so backward
+            # does not split it again.
+            weights = weight.chunk(chunks) if chunks > 1 else (weight,)
+            biases = (bias.chunk(chunks) if chunks > 1 else (bias,)) if bias is not None else (None,) * chunks
+            outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, *weights)
         ctx.eps, ctx.chunks, ctx.has_bias = eps, chunks, bias is not None
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, gate, norm_weight, norm_bias, mean, rstd, weight = ctx.saved_tensors
+        x, gate, norm_weight, norm_bias, mean, rstd, *weights = ctx.saved_tensors
+        weight = weights[0]  # dtype and device of all chunks
         need = ctx.needs_input_grad
         grad_x = grad_gate = grad_nw = grad_nb = grad_w = grad_b = None
-        weights = weight.chunk(ctx.chunks)
         grads = [torch.zeros(g_shape, dtype=weight.dtype, device=weight.device) if g is None else g
                  for g, g_shape in zip(grad_outs, [(x.shape[0], w.shape[0]) for w in weights])]
         with autocast_off(x.device.type):
@@ -179,9 +246,9 @@ class _NormLinear(torch.autograd.Function):
             s = F.silu(gate) if gate is not None else None
             if need[4]:
                 m = m0 * s if s is not None else m0
-                grad_w = torch.cat([g.t() @ m for g in grads])
+                grad_w = torch.cat([g.t() @ m for g in grads]) if ctx.chunks > 1 else grads[0].t() @ m
             if ctx.has_bias and need[5]:
-                grad_b = torch.cat([g.sum(0) for g in grads])
+                grad_b = torch.cat([g.sum(0) for g in grads]) if ctx.chunks > 1 else grads[0].sum(0)
             if need[0] or need[1] or need[2] or need[3]:
                 # The chunks' input gradients are summed in x's dtype, as autograd sums the gradients of
                 # the per-GEMM casts of the unfused path.
@@ -241,5 +308,5 @@ def norm_linear(
     return list(outs)
 
 
-for _fn in (gelu_linear, norm_linear):
+for _fn in (gelu_linear, norm_linear, rows_linear):
     register_notrace_function(_fn)

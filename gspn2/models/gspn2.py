@@ -29,7 +29,8 @@ Speed (``docs/models.md``, "Speed"): with channels_last memory every 1x1 convolu
 contiguous NHWC rows (``gspn2.layers.Conv1x1``), LayerNorms run in the activation dtype under autocast,
 the local perception units are one ``gspn2.ops.depthwise_conv2d`` each (the residual added in the
 kernel), and in training autograd functions fuse each LayerNorm into the GEMM after it and GELU into
-``fc2``, recomputing the norms and activations in backward instead of saving them.
+``fc2``, recomputing the norms and activations in backward instead of saving them; the training mixer keeps
+its tensors as channels-last rows between GEMMs, so that few views and permutes reach the dispatcher.
 ``tests/models/_reference.py`` builds the same function from plain torch and timm modules, loading the
 same state dict: the oracle of the equivalence tests.
 """
@@ -56,6 +57,7 @@ from gspn2.layers import (
     PointwiseMlp,
     from_rows,
     norm_linear,
+    rows_linear,
     to_rows,
 )
 from gspn2.layers._trace import fused_training
@@ -230,46 +232,65 @@ class GSPN2Mixer(nn.Module):
         self.out_proj = Conv1x1(hidden, dim)
 
     def forward(self, x: torch.Tensor, norm: Optional[NormParams] = None) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling ``in_proj``, ``norm`` and
-        ``out_proj`` as modules.
+        """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling its modules.
 
         With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the mixer of the
-        normalised ``x`` in the training formulation: the norm and ``in_proj``, and the output gate
-        ``self.norm(y) * silu(z)`` and ``out_proj``, are each one :func:`~gspn2.layers.norm_linear`, which
-        keeps only the norm's input (and the gate) for backward; ``in_proj``, ``norm`` and ``out_proj``
-        are then not called (their forward hooks do not run). Not for ``torch.fx``, ``torch.jit.trace``
-        or TorchScript (:mod:`gspn2.layers._trace`).
+        normalised ``x`` in the training formulation (:meth:`forward_fused`).
 
-        Either way 1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes
-        out of its own GEMM already contiguous for the depthwise convolution, the skip is one
-        ``addcmul`` and the LayerNorm stays in the activation dtype.
+        1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of its
+        own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul`` and the
+        LayerNorm stays in the activation dtype.
         """
-        B, _, H, W = x.shape
+        if norm is not None:
+            return self.forward_fused(x, norm)
         P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
-        if norm is None:
-            v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
-        else:
-            w, b = self.in_proj.weight.flatten(1), self.in_proj.bias
-            v, z = norm_linear(to_rows(x), norm[0], norm[1], norm[2], w, b, chunks=2, gate=None)
-            v, z = from_rows(v, B, H, W), from_rows(z, B, H, W)
+        v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
         v = depthwise_conv(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
-        # The op scans contiguous NCHW lines: copy the proxy-sized slices (P + 4P + 12K channels) once.
-        # All three come from one GEMM, so they already share a dtype.
-        lam = torch.sigmoid(lam.unflatten(1, (D, P)).contiguous())  # (B, 4, P, H, W)
-        gates = gates.unflatten(1, (D, 3, K)).contiguous()  # (B, 4, 3, K, H, W)
-        h = propagate(xp.contiguous(), lam, gates, self.chunk)  # (B, 4, P, H, W)
+        h = self._scan(xp, lam, gates)
         # u first: the product takes u's channels_last order, so the flatten is a view and proj_up's rows
         # are contiguous.
         y = (u.unflatten(1, (D, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
         y = torch.addcmul(self.proj_up(y), v, self.skip.view(1, -1, 1, 1).to(v.dtype))
         # The scan's scale grows with the image: normalise before gating.
-        if norm is None:
-            return self.out_proj(self.norm(y) * self.act(z))
+        return self.out_proj(self.norm(y) * self.act(z))
+
+    def _scan(self, xp: torch.Tensor, lam: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """The propagation of the generator's proxy, lambda and gate slices: ``(B, 4, P, H, W)``."""
+        P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
+        # The op scans contiguous NCHW lines: copy the proxy-sized slices (P + 4P + 12K channels) once.
+        # All three come from one GEMM, so they already share a dtype.
+        lam = torch.sigmoid(lam.unflatten(1, (D, P)).contiguous())  # (B, 4, P, H, W)
+        gates = gates.unflatten(1, (D, 3, K)).contiguous()  # (B, 4, 3, K, H, W)
+        return propagate(xp.contiguous(), lam, gates, self.chunk)
+
+    @torch.jit.unused
+    def forward_fused(self, x: torch.Tensor, norm: NormParams) -> torch.Tensor:
+        """The mixer of ``LayerNorm(x)`` (``norm``: its ``(weight, bias, eps)``) in the training formulation.
+
+        The norm and ``in_proj``, and the output gate ``self.norm(y) * silu(z)`` and ``out_proj``, are each one
+        :func:`~gspn2.layers.norm_linear`, which keeps only the norm's input (and the gate) for backward.
+        Everything between the GEMMs stays in channels-last rows ``(B*H*W, channels)`` except what needs the
+        image: ``v`` for the depthwise convolution and the generator's slices for the scan. So ``z``, the
+        ``proj_up`` output, the skip (a ``(E,)`` vector broadcast over rows, no view) and the gated norm's input
+        never change layout, which keeps the dispatcher calls of forward and backward few. ``in_proj``,
+        ``generate``, ``proj_up``, ``norm`` and ``out_proj`` hold the parameters and are not called (their
+        forward hooks do not run). Not for ``torch.fx``, ``torch.jit.trace`` or TorchScript
+        (:mod:`gspn2.layers._trace`).
+        """
+        B, _, H, W = x.shape
+        P, D = self.proxy_dim, self.num_directions
+        w, b = self.in_proj.weight.flatten(1), self.in_proj.bias
+        v_rows, z_rows = norm_linear(to_rows(x), norm[0], norm[1], norm[2], w, b, chunks=2, gate=None)
+        v = depthwise_conv(from_rows(v_rows, B, H, W), self.conv_dw.weight, self.conv_dw.bias, silu=True)
+        v_rows = to_rows(v)
+        g = rows_linear(v_rows, self.generate.weight.flatten(1), self.generate.bias)
+        xp, lam, u, gates = from_rows(g, B, H, W).split(self.split_sizes, dim=1)
+        h = self._scan(xp, lam, gates)
+        y = to_rows((u.unflatten(1, (D, P)) * h).flatten(1, 2))  # a view: the product has u's row order
+        y = rows_linear(y, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
         w, b = self.out_proj.weight.flatten(1), self.out_proj.bias
-        (out,) = norm_linear(
-            to_rows(y), self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=to_rows(z)
-        )
+        (out,) = norm_linear(y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows)
         return from_rows(out, B, H, W)
 
 

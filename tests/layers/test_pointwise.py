@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gspn2.layers import ChunkedConv1x1, Conv1x1, gelu_linear, norm_linear
+from gspn2.layers import ChunkedConv1x1, Conv1x1, gelu_linear, norm_linear, rows_linear
 
 def test_gelu_linear_gradcheck():
     g = torch.Generator().manual_seed(0)
@@ -74,3 +74,31 @@ def test_conv1x1_is_the_convolution():
         torch.testing.assert_close(got, want)
     single = Conv1x1(6, 8)
     torch.testing.assert_close(single(x), F.conv2d(x, single.weight, single.bias))
+
+
+def test_rows_linear_gradcheck_and_values():
+    """rows_linear = linear(x) [+ skip_input * skip_scale]: float64 gradients of every input, and under bf16
+    autocast bitwise the outputs and gradients of F.linear followed by torch.addcmul."""
+    g = torch.Generator().manual_seed(2)
+
+    def r(*shape, dtype=torch.float64):
+        return torch.randn(*shape, generator=g, dtype=dtype, requires_grad=True)
+
+    x, w, b, v, s = r(5, 6), r(4, 6), r(4), r(5, 4), r(4)
+    assert torch.autograd.gradcheck(rows_linear, (x, w, b))
+    assert torch.autograd.gradcheck(rows_linear, (x, w, None, v, s))
+    torch.testing.assert_close(rows_linear(x, w, b, v, s), torch.addcmul(F.linear(x, w, b), v, s))
+    with pytest.raises(ValueError, match="`skip_input` and `skip_scale`"):
+        rows_linear(x, w, b, v, None)
+
+    xs, ws, bs, ss = r(64, 16, dtype=torch.float32), r(32, 16, dtype=torch.float32), r(32, dtype=torch.float32), r(32, dtype=torch.float32)
+    vs = torch.randn(64, 32, generator=g).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = rows_linear(xs, ws, bs, vs, ss)
+        ref = torch.addcmul(F.linear(xs, ws, bs), vs, ss.to(vs.dtype))
+    assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
+    inputs = (xs, ws, bs, vs, ss)
+    grads = torch.autograd.grad(out.float().square().sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == want.dtype and torch.equal(got, want)
