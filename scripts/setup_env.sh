@@ -17,7 +17,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 # Re-install (and so re-compile the CUDA extension) only when something it depends on changed.
 so=$(ls gspn2/_C*.so 2>/dev/null | head -n 1 || true)
 if [ -n "$so" ] && "${PIP[@]}" show -q gspn2 pytest >/dev/null 2>&1 \
-    && .venv/bin/python -c "import gspn2._C" 2>/dev/null \
+    && .venv/bin/python -c "import gspn2._C, xdist" 2>/dev/null \
     && [ -z "$(find gspn2/csrc setup.py pyproject.toml requirements -newer "$so" -print -quit)" ]; then
     echo "gspn2 and its CUDA extension are up to date ($so)"
 else

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+
+# One intra-op thread for the test process and every process it starts (train.py, torchrun's ranks,
+# the scripts): the suite runs many tiny ops on 2 cores, often shared with other jobs, where OpenMP's
+# spinning second thread made a float64 gradcheck of a 6x5 image 100 times slower than one thread.
+# The results do not depend on the thread count. Set before torch is imported so OpenMP reads it.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after the environment variable above)
+
+torch.set_num_threads(1)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

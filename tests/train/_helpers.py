@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -72,24 +74,42 @@ def flip_tensor_byte(path: Path) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
-# Run train.py in a child process that kills itself with SIGKILL right before os.replace would move a
-# file onto argv[1]: a crash at a chosen point of the epoch's writes, with no cleanup code running.
-KILL_AT_REPLACE = """
-import os, signal, sys
-from pathlib import Path
-from tests.train._helpers import compose_cfg, load_script
-target, overrides = Path(sys.argv[1]), sys.argv[2:]
-real_replace = os.replace
-def replace(src, dst, *args, **kwargs):
-    if Path(dst) == target:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real_replace(src, dst, *args, **kwargs)
-os.replace = replace
-load_script("train").train(compose_cfg(overrides))
-"""
+def _train_killed_at(target: Path, overrides: list[str]) -> None:
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst) == target:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_replace(src, dst, *args, **kwargs)
+
+    os.replace = replace  # a forked child: the test process's os module is not touched
+    load_script("train").train(compose_cfg(overrides))
 
 
-def run_killed_at(target: Path, overrides: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-c", KILL_AT_REPLACE, str(target), *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def run_killed_at(target: Path, overrides: list[str], timeout: float = 300) -> int:
+    """Train in a child process that kills itself with SIGKILL right before os.replace would move a file
+    onto ``target``: a crash at a chosen point of the epoch's writes, with no cleanup code running.
+
+    The child is a fork of the test process (torch, timm and the trainer already imported: a fresh
+    interpreter's start-up would be most of the test's time). Returns its exit code, ``-SIGKILL`` when it
+    reached ``target``; its output goes to the test's captured output.
+    """
+    return run_forked(_train_killed_at, target, overrides, timeout=timeout)
+
+
+def run_forked(fn, *args, timeout: float = 300) -> int:
+    """``fn(*args)`` in a forked child of the test process; waits for it and returns its exit code."""
+    child = start_forked(fn, *args)
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        raise AssertionError(f"the child process did not end within {timeout} s")
+    return child.exitcode
+
+
+def start_forked(fn, *args) -> multiprocessing.Process:
+    """``fn(*args)`` started in a forked child of the test process (see :func:`run_killed_at`)."""
+    child = multiprocessing.get_context("fork").Process(target=fn, args=args)
+    child.start()
+    return child

@@ -133,13 +133,16 @@ def test_group_option_composes(group, option):
 @pytest.mark.parametrize("variant", ["gspn2_micro", "gspn2_tiny", "gspn2_small", "gspn2_base"])
 def test_model_config_builds_the_registered_variant(variant):
     """configs/model/<variant>.yaml names the registered model and overrides nothing of its architecture:
-    it builds what ``timm.create_model(variant)`` builds (same modules, same parameter count and shapes)."""
+    it builds what ``timm.create_model(variant)`` builds (same modules, same parameter count and shapes).
+    Both are built on the meta device: structure and shapes without the seconds of initialising GSPN-2-B."""
     cfg = compose_cfg([f"model={variant}", "data=imagenet", "data.root=/nonexistent"])
     assert cfg.model.name == variant and dict(cfg.model.args) == {}
-    from_config = _model(cfg)
-    registered = timm.create_model(
-        variant, num_classes=cfg.data.num_classes, drop_path_rate=cfg.model.drop_path_rate
-    )
+    with torch.device("meta"):
+        from_config = build_model(cfg.model, cfg.data.num_classes)
+        registered = timm.create_model(
+            variant, num_classes=cfg.data.num_classes, drop_path_rate=cfg.model.drop_path_rate
+        )
+    assert next(from_config.parameters()).device.type == "meta"
     assert repr(from_config) == repr(registered)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(from_config) == count(registered) > 0

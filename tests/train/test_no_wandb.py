@@ -9,8 +9,9 @@ import sys
 from tests.train._helpers import REPO, TINY
 
 # A child process in which `import wandb` raises ImportError (a finder ahead of every other one), as on a
-# machine without the package. It trains with the overrides of argv[1:] and prints the run directory, or
-# the ConfigError's message.
+# machine without the package. It trains once with each set of overrides in argv[1:] (sets separated by
+# "--"; one process for all, as its start-up is most of the test's time) and prints, for each, the run
+# directory or the ConfigError's message.
 WITHOUT_WANDB = """
 import sys
 
@@ -23,13 +24,21 @@ class NoWandb:
 sys.meta_path.insert(0, NoWandb())
 from gspn2.train.config import ConfigError
 from tests.train._helpers import compose_cfg, load_script
-try:
-    run_dir = load_script("train").train(compose_cfg(sys.argv[1:]))
-except ConfigError as e:
-    print(f"ConfigError: {e}")
-else:
-    assert "wandb" not in sys.modules
-    print(f"trained: {run_dir}")
+train = load_script("train").train
+runs = [[]]
+for arg in sys.argv[1:]:
+    if arg == "--":
+        runs.append([])
+    else:
+        runs[-1].append(arg)
+for overrides in runs:
+    try:
+        run_dir = train(compose_cfg(overrides))
+    except ConfigError as e:
+        print(f"ConfigError: {e}")
+    else:
+        assert "wandb" not in sys.modules
+        print(f"trained: {run_dir}")
 """
 
 
@@ -46,16 +55,16 @@ def test_logger_none_trains_without_wandb_and_an_enabled_logger_is_refused(digit
         "trainer.epochs=1",
         "trainer.limit_train_steps=2",
     ]
-    run_dir = tmp_path / "none"
-    proc = _run_without_wandb(*common, "logger=none", f"run_dir={run_dir}")
+    run_dir, refused = tmp_path / "none", tmp_path / "offline"
+    proc = _run_without_wandb(
+        *common, "logger=none", f"run_dir={run_dir}", "--", *common, "logger=wandb", f"run_dir={refused}"
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert f"trained: {run_dir}" in proc.stdout
+    assert proc.stdout.count(f"trained: {run_dir}\n") == 1, proc.stdout[-3000:]
+    trained, refusal = proc.stdout.split(f"trained: {run_dir}\n")  # the first run's output, the second's
     assert (run_dir / "last.pt").is_file() and not (run_dir / "wandb").exists()
-    assert "wandb: disabled" in proc.stdout
+    assert "wandb: disabled" in trained
 
-    refused = tmp_path / "offline"
-    proc = _run_without_wandb(*common, "logger=wandb", f"run_dir={refused}")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "ConfigError: logger.mode=offline needs the wandb package" in proc.stdout
-    assert "logger=none" in proc.stdout
+    assert "ConfigError: logger.mode=offline needs the wandb package" in refusal
+    assert "logger=none" in refusal
     assert not refused.exists()  # refused before anything was written

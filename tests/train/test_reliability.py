@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,13 +21,14 @@ from gspn2.train.data import DataError, ImageError, build_dataset, read_image, v
 from gspn2.train.rundir import LOCK_NAME, STAGING_NAME, RunDirBusy, RunDirLock, publish, recover
 from tests.train._helpers import (
     CONFIGS,
-    REPO,
     TINY,
     compose_cfg,
     flip_tensor_byte,
+    load_script,
     run_cli,
     run_killed_at,
     snapshot,
+    start_forked,
 )
 
 # one epoch of 4 steps, no EMA: the shortest run that writes every epoch artefact
@@ -118,12 +117,16 @@ def test_damaged_last_is_refused_untouched_and_resume_from_best_works(
 # ------------------------------------------------------------------------------- 2. run-directory lock
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for(path: Path, proc, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.is_alive(), f"the first trainer exited with {proc.exitcode} (its output is above)"
         assert time.monotonic() < deadline, f"{path} did not appear"
         time.sleep(0.2)
+
+
+def _train(overrides: list[str]) -> None:
+    load_script("train").train(compose_cfg(overrides))
 
 
 def test_second_trainer_is_refused_and_a_killed_trainers_lock_is_taken_over(
@@ -131,22 +134,17 @@ def test_second_trainer_is_refused_and_a_killed_trainers_lock_is_taken_over(
 ):
     run_dir = tmp_path / "run"
     overrides = [*QUICK, f"data.root={digits_root}", f"run_dir={run_dir}"]
-    first = subprocess.Popen(
-        [sys.executable, "train.py", *overrides, "trainer.epochs=500"],
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # another process (a fork of this one: no interpreter start-up to wait for) runs a long training
+    first = start_forked(_train, [*overrides, "trainer.epochs=500"])
     try:
         _wait_for(run_dir / "config.yaml", first)  # the first trainer is running
         with pytest.raises(RunDirBusy, match=rf"{run_dir}.*in use by another trainer.*pid {first.pid}\b"):
             train_script.train(compose_cfg(overrides))
-        assert first.poll() is None
+        assert first.is_alive()
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.communicate()
+        first.kill()  # SIGKILL
+        first.join()
+    assert first.exitcode == -signal.SIGKILL
     assert (run_dir / LOCK_NAME).exists()  # kill -9 gave it no chance to clean up
     capsys.readouterr()
     train_script.train(compose_cfg(overrides))
@@ -220,8 +218,8 @@ def test_kill_during_the_epoch_writes_leaves_one_consistent_set(point, train_scr
     run_dir = tmp_path / "run"
     overrides = [*QUICK, f"data.root={digits_root}", f"run_dir={run_dir}"]
     target = run_dir / STAGING_NAME / "COMMITTED" if point == "commit" else run_dir / point
-    proc = run_killed_at(target, overrides)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    code = run_killed_at(target, overrides)
+    assert code == -signal.SIGKILL, f"the child exited with {code}, not killed at {target} (its output is above)"
     train_script.train(compose_cfg(overrides))
     _assert_consistent(run_dir, epochs=1)
 
