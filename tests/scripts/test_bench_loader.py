@@ -12,8 +12,8 @@ from tests.scripts._load import jpeg_folder
 
 SCRIPT = "bench_loader"  # the `bench` fixture (tests/scripts/conftest.py) imports it
 
-# batch 2 of the 6 training images: an epoch is 3 batches
-CPU = ["data.batch_size=2", "data.pin_memory=false", "trainer.device=cpu"]
+# batch 2 of the 6 training images: an epoch is 3 batches; no worker processes, so no prefetch thread
+CPU = ["data.batch_size=2", "data.pin_memory=false", "trainer.device=cpu", "data.gpu_prefetch=0"]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,9 @@ def test_measures_the_experiments_loader(bench, tiny_root, tmp_path):
     assert report["data"]["num_classes"] == 1000 and report["data"]["img_size"] == 224
     assert report["aug"]["auto_augment"] == "rand-m9-mstd0.5-inc1" and report["aug"]["reprob"] == 0.25
     (r,) = report["results"]
-    assert r["pipeline"] == "cpu" and r["num_workers"] == 0 and r["batches"] == 3 and r["warmup_batches"] == 1
-    assert r["variant"] == "cpu" and r["gpu_decode"] is None and r["breakdown"] is None
+    # the ImageNet data config's pipeline: workers decode, the device augments
+    assert r["pipeline"] == "gpu" and r["num_workers"] == 0 and r["batches"] == 3 and r["warmup_batches"] == 1
+    assert r["variant"] == "gpu" and r["gpu_decode"] is False and r["breakdown"] is None
     assert r["batch_shape"] == [2, 3, 224, 224]
     assert r["img_per_s"] == pytest.approx(3 * 2 / r["seconds"]) and r["img_per_s"] > 0
     assert r["epochs_started_while_timed"] == 1  # 1 + 3 batches run past the 3-batch epoch
@@ -43,7 +44,7 @@ def test_workers_default_to_the_config(bench, tiny_root, capsys):
     report = bench.main([str(tiny_root), *CPU, "data.num_workers=0", "--batches", "1", "--warmup", "1"])
     assert [r["num_workers"] for r in report["results"]] == [0]
     assert report["results"][0]["warmup_batches"] == 1
-    assert "pipeline cpu workers   0:" in capsys.readouterr().out
+    assert "pipeline gpu workers   0:" in capsys.readouterr().out
 
 
 def test_measures_the_three_input_paths_with_their_breakdown(bench, tiny_root, capsys):

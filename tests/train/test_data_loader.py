@@ -193,7 +193,7 @@ def test_num_workers_default_to_the_cpus_per_local_process(monkeypatch):
 
 def test_loader_keys_compose_and_are_checked():
     cfg = compose_cfg(["experiment=in1k_gspn2_tiny", "data.root=/x"])
-    assert cfg.data.num_workers is None and cfg.data.pipeline == "cpu" and cfg.data.reduced_decode
+    assert cfg.data.num_workers is None and cfg.data.pipeline == "gpu" and cfg.data.reduced_decode
     assert cfg.data.persistent_workers and cfg.data.prefetch_factor == 2 and cfg.data.gpu_prefetch == 2
     check_train_config(cfg, check_paths=False)
     imagenet = ["experiment=in1k_gspn2_tiny", "data.root=/x"]
