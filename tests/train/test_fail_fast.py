@@ -82,15 +82,22 @@ def test_cli_user_error_is_one_line_and_exit_2(tmp_path):
 def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(digits_root, tmp_path):
     run_dir = tmp_path / "run"
     args = [*TINY, f"data.root={digits_root}", f"run_dir={run_dir}", "trainer.epochs=200"]
+    # -X faulthandler: SIGABRT makes the child print every thread's stack, if it ever fails to stop
     proc = subprocess.Popen(
-        [sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-X", "faulthandler", "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + 300
     while not (run_dir / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert proc.poll() is None, "the run ended before its first checkpoint"
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"train.py still ran 120 s after SIGINT; its stacks and last output:\n{err[-6000:]}\n{out[-2000:]}")
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert f"interrupted: the last checkpoint is {run_dir / 'last.pt'}" in err
