@@ -78,14 +78,21 @@ def test_cli_user_error_is_one_line_and_exit_2(tmp_path):
     assert not runs.exists()
 
 
+def _default_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(digits_root, tmp_path):
     run_dir = tmp_path / "run"
     args = [*TINY, f"data.root={digits_root}", f"run_dir={run_dir}", "trainer.epochs=200"]
-    # -X faulthandler: SIGABRT makes the child print every thread's stack, if it ever fails to stop
+    # -X faulthandler: SIGABRT makes the child print every thread's stack, if it ever fails to stop.
+    # The child gets SIGINT as a shell gives it, default and unblocked: a process started from a pytest-xdist
+    # worker that has run other tests can inherit it ignored or blocked, and then trains on through the signal.
     proc = subprocess.Popen(
         [sys.executable, "-X", "faulthandler", "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
     )
     deadline = time.monotonic() + 300
     while not (run_dir / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
