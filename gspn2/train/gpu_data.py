@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import math
 import queue
@@ -478,30 +479,25 @@ def op_equalize(x, arg):
     return lut.gather(1, flat).view(b, c, h, w).to(x.dtype)
 
 
-_FILLS: dict = {}
+# Device constants are made once per (value, dtype, device): a fresh host-to-device copy of pageable memory
+# per batch would make the host thread wait for the GPU.
 
 
-def _fill_tensor(fill, dtype, device) -> torch.Tensor:
-    """``fill`` as a (1, 3, 1, 1) tensor on ``device``, made once: a fresh host-to-device copy of pageable
-    memory would make the batch's host thread wait for the GPU."""
-    key = (tuple(fill), dtype, device)
-    if key not in _FILLS:
-        _FILLS[key] = torch.tensor(fill, dtype=dtype).view(1, 3, 1, 1).to(device)
-    return _FILLS[key]
+@functools.cache
+def _fill_tensor(fill: tuple, dtype, device) -> torch.Tensor:
+    """``fill`` as a (1, 3, 1, 1) tensor on ``device``."""
+    return torch.tensor(fill, dtype=dtype).view(1, 3, 1, 1).to(device)
 
 
+@functools.cache
 def _centres(h: int, w: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output pixel centres ``gx, gy`` (each ``(h, w)``) and ``(w, h)`` as a (1, 2, 1, 1) tensor,
-    made once per size (like :func:`_fill_tensor`, without a host-to-device copy per batch)."""
-    key = (h, w, dtype, device)
-    if key not in _FILLS:
-        ys = torch.arange(h, dtype=dtype, device=device) + 0.5
-        xs = torch.arange(w, dtype=dtype, device=device) + 0.5
-        gy, gx = torch.meshgrid(ys, xs, indexing="ij")
-        size = torch.stack((torch.full((), w, dtype=dtype, device=device),
-                            torch.full((), h, dtype=dtype, device=device))).view(1, 2, 1, 1)
-        _FILLS[key] = (gx, gy, size)
-    return _FILLS[key]
+    """The output pixel centres ``gx, gy`` (each ``(h, w)``) and ``(w, h)`` as a (1, 2, 1, 1) tensor."""
+    ys = torch.arange(h, dtype=dtype, device=device) + 0.5
+    xs = torch.arange(w, dtype=dtype, device=device) + 0.5
+    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
+    size = torch.stack((torch.full((), w, dtype=dtype, device=device),
+                        torch.full((), h, dtype=dtype, device=device))).view(1, 2, 1, 1)
+    return gx, gy, size
 
 
 def _affine(x, matrix, fill, mode):
@@ -516,7 +512,7 @@ def _affine(x, matrix, fill, mode):
     inside = ((uv >= 0) & (uv < size)).all(dim=1, keepdim=True)
     grid = (2 * uv / size - 1).permute(0, 2, 3, 1)
     out = F.grid_sample(x, grid, mode=mode, padding_mode="border", align_corners=False)
-    return _q(torch.where(inside, out, _fill_tensor(fill, x.dtype, x.device)))
+    return _q(torch.where(inside, out, _fill_tensor(tuple(fill), x.dtype, x.device)))
 
 
 def _affine_matrix(name, arg, w, h):
