@@ -13,6 +13,9 @@ of the results JSON (default: next to the checkpoint, eval_<name>[_ema]_<size>.j
 model by name). With ``predict=<folder>`` it writes the top-k classes and probabilities of every image
 under the folder to a CSV instead (``<out>`` or ``predictions_<checkpoint>.csv`` next to the checkpoint).
 Nothing is written unless the evaluation succeeds; a user error is one line on stderr and exit status 2.
+
+The model runs in channels_last memory format on a CUDA device and contiguous on the CPU
+(``channels_last=true|false`` overrides), eagerly unless ``compile=true`` [``compile_mode=reduce-overhead``].
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from timm.data import resolve_data_config
 
 import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
 from gspn2.counting import count_model
-from gspn2.train.build import build_model
+from gspn2.train.build import build_model, compile_model
 from gspn2.train.checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, load_model_state
 from gspn2.train.config import ConfigError, EvalConfig, check_eval_config, register_configs, validate
 from gspn2.train.data import (
@@ -43,7 +46,7 @@ from gspn2.train.data import (
     skipped_images,
 )
 from gspn2.train.distributed import all_gather_object, destroy, init_distributed
-from gspn2.train.evaluate import evaluate
+from gspn2.train.evaluate import batch_sizes, evaluate, resolve_channels_last, warm_up
 from gspn2.train.predict import ImageFiles, predict_folder
 from gspn2.train.runinfo import backend_info, describe, require_extension
 
@@ -54,6 +57,27 @@ def _pick(override, default):
     return default if override is None else override
 
 
+def _prepare(model: torch.nn.Module, device: torch.device, channels_last: bool, cfg: DictConfig):
+    """``model`` on ``device`` in its memory format, compiled if ``cfg.compile`` (the trainer's
+    :func:`~gspn2.train.build.compile_model`, so eval compiles as train.py does: ``dynamic`` left at
+    torch's default). The compiled graph is guarded on its input's shape: a batch of another size than
+    the first -- the last, partial batch, or one that lost unreadable images -- is not run through a graph
+    made for another size but recompiles once with a dynamic batch dimension, which then serves every
+    later size (a batch of 1 compiles once more, as torch specialises size 1). The results are those of
+    the eager model up to the rounding of fused kernels; only the time of the recompilation is added."""
+    model.to(device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    model.eval()
+    return compile_model(model, cfg.compile_mode) if cfg.compile else model
+
+
+def _mode(channels_last: bool, cfg: DictConfig) -> str:
+    """One phrase of how the model runs, for the log."""
+    run = f"torch.compile(mode={cfg.compile_mode})" if cfg.compile else "eager"
+    return f"{run}, {'channels_last' if channels_last else 'contiguous'}"
+
+
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate as ``cfg`` (a composed ``configs/eval.yaml``) says; returns the results JSON path."""
     validate(cfg, EvalConfig)
@@ -62,6 +86,7 @@ def run_eval(cfg: DictConfig) -> Path:
     log = print if info.is_main else (lambda *a, **k: None)
     require_extension(info.device)
     backend = backend_info(info.device)
+    channels_last = resolve_channels_last(cfg.channels_last, info.device)  # null: on for CUDA, off on CPU
     class_names = None
 
     # ------------------------------------------------------------------------- model and its data
@@ -132,10 +157,18 @@ def run_eval(cfg: DictConfig) -> Path:
     transform = build_transform(data, None, is_training=False)
     if cfg.predict is not None:  # unlabelled images: predictions, no metrics
         images = ImageFiles(cfg.predict, transform)
-        model.to(info.device)
-        log(f"{name}: {source}; {describe(backend)}")
+        model = _prepare(model, info.device, channels_last, cfg)
+        log(f"{name}: {source}; {describe(backend)}; {_mode(channels_last, cfg)}")
         table = predict_folder(
-            model, images, info.device, precision, data.batch_size, cfg.data.num_workers, cfg.topk, class_names
+            model,
+            images,
+            info.device,
+            precision,
+            data.batch_size,
+            cfg.data.num_workers,
+            cfg.topk,
+            class_names,
+            channels_last=channels_last,
         )
         if info.is_main:
             atomic_write_bytes(out, table)
@@ -170,10 +203,13 @@ def run_eval(cfg: DictConfig) -> Path:
 
     # ------------------------------------------------------------------------------------ evaluate
     count = count_model(model, input_size=(3, data.img_size, data.img_size))
-    model.to(info.device)
-    if cfg.channels_last:
-        model.to(memory_format=torch.channels_last)
-    metrics = evaluate(model, loader, info, precision, cfg.channels_last)
+    model = _prepare(model, info.device, channels_last, cfg)
+    compile_s = None
+    if cfg.compile:
+        # compile for the batch sizes the loader yields before the timed forward of evaluate()
+        log(f"compiling {name} with torch.compile(mode={cfg.compile_mode}) ...")
+        compile_s = warm_up(model, batch_sizes(loader), data.img_size, info.device, precision, channels_last)
+    metrics = evaluate(model, loader, info, precision, channels_last)
     skipped = sorted(set(sum(all_gather_object(skipped_images(val_set), info), [])))
     results = {
         "top1": metrics["top1"],
@@ -197,12 +233,17 @@ def run_eval(cfg: DictConfig) -> Path:
         "val_split": data.val_split,
         "batch_size": data.batch_size,
         "precision": precision,
+        "channels_last": channels_last,
+        "compile_mode": cfg.compile_mode if cfg.compile else None,  # null: eager
+        "compile_s": compile_s,  # compilation and warm-up, outside img_per_s; null: eager
         "device": str(info.device),
         "world_size": info.world_size,
         "backend": backend,
     }
     log(f"{name}: {source}")
     log(describe(backend))
+    compiled = f" (compiled and warmed up in {compile_s:.1f} s, not timed)" if cfg.compile else ""
+    log(f"model runs {_mode(channels_last, cfg)}{compiled}")
     size = f"{data.img_size}x{data.img_size}"
     log(f"params {count.params / 1e6:.3f} M | MACs {count.macs / 1e9:.4f} G at {size}")
     log(

@@ -120,7 +120,7 @@ class EmaConfig:
     mesa_start_epoch: int = 0
 
 
-#: ``trainer.compile_mode`` values: torch.compile's modes.
+#: ``trainer.compile_mode`` and eval's ``compile_mode`` values: torch.compile's modes.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -209,7 +209,15 @@ class EvalConfig:
     img_size: Optional[int] = None
     device: str = "auto"
     precision: Optional[str] = None  # default: the checkpoint's trainer.precision (fp32 for model_name)
-    channels_last: bool = False
+    # channels_last memory format for the model and its inputs; null: on for a CUDA device (its 1x1 convs
+    # and gspn2's depthwise kernels have their fast paths there), off (contiguous) on the CPU
+    channels_last: Optional[bool] = None
+    # torch.compile the model (the trainer's compile_model), compiled before the timed forward on zeros of
+    # the loader's batch sizes (tens of seconds on a GPU): for one pass over a validation set eager is the
+    # faster end to end, compiling pays off on long inference (docs/training.md, "Evaluation")
+    compile: bool = False
+    # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     out: Optional[str] = None  # results JSON; default next to the checkpoint (or under runs/eval)
     # a folder of unlabelled images (searched recursively): write the top-k predictions per image to
     # <out stem>_predictions.csv instead of evaluating on data.root
@@ -394,6 +402,7 @@ def check_eval_config(cfg, check_paths: bool = True) -> None:
         raise ConfigError("give exactly one of checkpoint=<train.py checkpoint> or model_name=<timm model name>")
     _check_choice(cfg, "device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "precision", (None, "bf16", "fp16", "fp32"))
+    _check_choice(cfg, "compile_mode", COMPILE_MODES)
     for key in ("img_size", "num_classes", "data.batch_size", "data.val_subset", "topk"):
         _check_int(cfg, key, 1)
     _check_int(cfg, "data.num_workers", 0)

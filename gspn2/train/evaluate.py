@@ -11,7 +11,7 @@ from timm.utils import accuracy
 
 from gspn2.train.distributed import DistInfo, all_reduce_sum
 
-__all__ = ["AMP_DTYPES", "autocast", "evaluate"]
+__all__ = ["AMP_DTYPES", "autocast", "batch_sizes", "evaluate", "resolve_channels_last", "warm_up"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -24,6 +24,51 @@ def autocast(device: torch.device, precision: str):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def resolve_channels_last(setting: bool | None, device: torch.device) -> bool:
+    """eval.py's ``channels_last``: ``None`` (the default) is on for a CUDA device, off elsewhere."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
+def batch_sizes(loader) -> list[int]:
+    """The sizes of the batches ``loader`` yields when every image is readable: the full batch size and
+    that of the last, partial batch (if any), in the order they come."""
+    n, b = len(loader.dataset), loader.batch_size
+    return ([b] if n >= b else []) + ([n % b] if n % b else [])
+
+
+@torch.no_grad()
+def warm_up(
+    model: torch.nn.Module,
+    sizes: list[int],
+    img_size: int,
+    device: torch.device,
+    precision: str = "fp32",
+    channels_last: bool = False,
+    rounds: int = 3,
+) -> float:
+    """Run ``model`` (in eval mode) on zeros of each batch size of ``sizes``, ``rounds`` times over; returns
+    the seconds it took.
+
+    For a ``torch.compile``d model this is its compilation, kept out of :func:`evaluate`'s timed forward:
+    the first size compiles a graph for its static shape, a second size recompiles once with a dynamic
+    batch dimension, and with CUDA graphs (``reduce-overhead``) each graph and shape is warmed up on its
+    first run and recorded on its second, replayed from then on -- three rounds cover every step. The
+    outputs are discarded; nothing in the model changes.
+    """
+    model.eval()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for n in sizes:
+            images = torch.zeros(n, 3, img_size, img_size, device=device)
+            if channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with autocast(device, precision):
+                model(images)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 @torch.no_grad()

@@ -53,8 +53,10 @@ def predict_folder(
     num_workers: int,
     topk: int,
     class_names: list[str] | None = None,
+    channels_last: bool = False,
 ) -> bytes:
-    """CSV bytes: ``file, class_1, prob_1, ..., class_k, prob_k`` per image (softmax probabilities)."""
+    """CSV bytes: ``file, class_1, prob_1, ..., class_k, prob_k`` per image (softmax probabilities);
+    ``channels_last`` feeds the images in that memory format."""
     model.eval()
     k = min(topk, model.num_classes)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
@@ -62,8 +64,11 @@ def predict_folder(
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["file", *[f"{what}_{j}" for j in range(1, k + 1) for what in ("class", "prob")]])
     for images, index in loader:
+        images = images.to(device)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         with autocast(device, precision):
-            logits = model(images.to(device))
+            logits = model(images)
         probs, classes = logits.float().softmax(dim=-1).topk(k, dim=-1)
         for i, p_row, c_row in zip(index.tolist(), probs.tolist(), classes.tolist()):
             row = [str(dataset.files[i].relative_to(dataset.root))]
