@@ -90,9 +90,8 @@ def run_killed_at(target: Path, overrides: list[str], timeout: float = 300) -> i
     """Train in a child process that kills itself with SIGKILL right before os.replace would move a file
     onto ``target``: a crash at a chosen point of the epoch's writes, with no cleanup code running.
 
-    The child is a fork of the test process (torch, timm and the trainer already imported: a fresh
-    interpreter's start-up would be most of the test's time). Returns its exit code, ``-SIGKILL`` when it
-    reached ``target``; its output goes to the test's captured output.
+    The child comes from the fork server (:func:`start_forked`). Returns its exit code, ``-SIGKILL`` when
+    it reached ``target``.
     """
     return run_forked(_train_killed_at, target, overrides, timeout=timeout)
 
@@ -108,8 +107,19 @@ def run_forked(fn, *args, timeout: float = 300) -> int:
     return child.exitcode
 
 
+# Modules the fork server imports once, so that its children start with them loaded.
+_FORKSERVER_PRELOAD = ["torch", "timm", "hydra", "gspn2", "gspn2.train", "tests.train._helpers"]
+
+
 def start_forked(fn, *args) -> multiprocessing.Process:
-    """``fn(*args)`` started in a forked child of the test process (see :func:`run_killed_at`)."""
-    child = multiprocessing.get_context("fork").Process(target=fn, args=args)
+    """``fn(*args)`` (a module-level function) started in a child forked from this test process's fork
+    server: torch, timm and the trainer are already imported there, so the child skips an interpreter's
+    start-up, and the server is a clean process. A fork of the test process itself is not: after
+    ``torch.compile`` and a backward have run in a process (other tests in the same pytest worker do
+    both), autograd refuses to run in its forked children. The child's output goes to the server's
+    standard streams, not to the test's captured output."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # read when the server starts, ignored after
+    child = ctx.Process(target=fn, args=args)
     child.start()
     return child

@@ -134,7 +134,7 @@ def test_second_trainer_is_refused_and_a_killed_trainers_lock_is_taken_over(
 ):
     run_dir = tmp_path / "run"
     overrides = [*QUICK, f"data.root={digits_root}", f"run_dir={run_dir}"]
-    # another process (a fork of this one: no interpreter start-up to wait for) runs a long training
+    # another process (from the fork server: no interpreter start-up to wait for) runs a long training
     first = start_forked(_train, [*overrides, "trainer.epochs=500"])
     try:
         _wait_for(run_dir / "config.yaml", first)  # the first trainer is running
@@ -219,7 +219,7 @@ def test_kill_during_the_epoch_writes_leaves_one_consistent_set(point, train_scr
     overrides = [*QUICK, f"data.root={digits_root}", f"run_dir={run_dir}"]
     target = run_dir / STAGING_NAME / "COMMITTED" if point == "commit" else run_dir / point
     code = run_killed_at(target, overrides)
-    assert code == -signal.SIGKILL, f"the child exited with {code}, not killed at {target} (its output is above)"
+    assert code == -signal.SIGKILL, f"the child exited with {code}, not killed at {target}"
     train_script.train(compose_cfg(overrides))
     _assert_consistent(run_dir, epochs=1)
 
