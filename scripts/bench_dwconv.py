@@ -42,15 +42,23 @@ def model_shapes(name: str, resolution: int) -> list[tuple[int, int, int, bool]]
     return shapes
 
 
+def variant_options(variant: str) -> dict:
+    """The gspn2 options of a ``--variants`` entry (see run_case)."""
+    defaults = options.Options()
+    opts = dict(dwconv_kernel=defaults.dwconv_kernel, dwconv_tile=defaults.dwconv_tile, dwconv_vec=defaults.dwconv_vec,
+                dwconv_tile_cols=defaults.dwconv_tile_cols)
+    if variant.startswith(("t0", "t1")):
+        opts.update(dwconv_kernel="tile" if variant[1] == "0" else "fused", dwconv_tile_cols=int(variant[3]))
+    elif variant:
+        opts.update(dwconv_kernel="row", dwconv_tile=int(variant[1]), dwconv_vec=int(variant[3]))
+    return opts
+
+
 def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
              variant: str = "") -> dict:
-    """``variant``: ``t<tile>v<vec>`` (the options ``dwconv_tile``, ``dwconv_vec``), or "" for the defaults."""
-    defaults = options.Options()
-    options.set_options(
-        dwconv=backend,
-        dwconv_tile=int(variant[1]) if variant else defaults.dwconv_tile,
-        dwconv_vec=int(variant[3]) if variant else defaults.dwconv_vec,
-    )
+    """``variant``: ``t<tile>v<vec>``: the row kernels with ``dwconv_tile``, ``dwconv_vec`` = tile, vec, or the tile
+    kernels with ``dwconv_tile_cols`` = vec for tile 0; "" for the defaults (``dwconv_kernel="auto"``)."""
+    options.set_options(**variant_options(variant), dwconv=backend)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, C, side, side, device="cuda", generator=g).to(dtype, memory_format=torch.channels_last)
     w = torch.randn(C, 1, K, K, device="cuda", generator=g) * 0.1
@@ -78,8 +86,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", nargs="+", default=[""], choices=["", "t4v8", "t4v4", "t8v4", "t8v8"],
-                    help="kernel variants to time: t<tile>v<vec> (output pixels and 16-bit channels per thread; "
+    ap.add_argument("--variants", nargs="+", default=[""], choices=["", "t4v8", "t4v4", "t8v4", "t8v8", "t0v4", "t0v8", "t1v4", "t1v8"],
+                    help="kernel variants to time: t<tile>v<vec> (the row kernels' output pixels and 16-bit channels per "
+                         "thread; t0v<cols>: the shared-memory tile kernels with <cols> output columns per thread; "
                          "'' = the defaults)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

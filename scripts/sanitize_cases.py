@@ -45,7 +45,8 @@ DWCONV_CASES = [
     (1, 24, 11, 17, 5, True, "float16"),
     (1, 8, 1, 9, 7, False, "float32"),
 ]
-DWCONV_VARIANTS = [("4", "8"), ("4", "4"), ("8", "8"), ("8", "4")]  # (pixels, channels) per thread
+# (family, pixels, channels) per thread of the row kernels; (family, -, output columns) of the tile kernels
+DWCONV_VARIANTS = [("row", 4, 8), ("row", 4, 4), ("row", 8, 8), ("row", 8, 4), ("tile", 4, 4), ("tile", 4, 8), ("fused", 4, 4), ("fused", 4, 8)]
 
 
 def run_op(cases) -> None:
@@ -68,8 +69,11 @@ def run_dwconv() -> None:
 
     from gspn2.ops import depthwise_conv2d, options
 
-    for tile, vec in DWCONV_VARIANTS:
-        options.set_options(dwconv_tile=int(tile), dwconv_vec=int(vec))
+    for family, tile, vec in DWCONV_VARIANTS:
+        if family == "row":
+            options.set_options(dwconv_kernel="row", dwconv_tile=tile, dwconv_vec=vec)
+        else:
+            options.set_options(dwconv_kernel=family, dwconv_tile_cols=vec)
         for B, C, H, W, k, residual, dt in DWCONV_CASES:
             x = torch.randn(B, C, H, W, device="cuda", dtype=getattr(torch, dt))
             x = x.to(memory_format=torch.channels_last).requires_grad_()

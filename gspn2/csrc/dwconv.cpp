@@ -45,7 +45,7 @@ at::Tensor nhwc(const at::Tensor& t) {
 
 // Output pixels per thread (`tile`) and channels per thread of the 16-bit kernels (`vec`), dwconv.h.
 void check_variant(int64_t tile, int64_t vec) {
-  GSPN2_DW_CHECK(tile == 4 || tile == 8, "`tile` must be 4 or 8, got ", tile);
+  GSPN2_DW_CHECK(tile == 0 || tile == 1 || tile == 4 || tile == 8, "`tile` must be 0, 1, 4 or 8, got ", tile);
   GSPN2_DW_CHECK(vec == 4 || vec == 8, "`vec` must be 4 or 8, got ", vec);
 }
 
@@ -67,14 +67,20 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xna
   GSPN2_DW_CHECK(x.numel() < (int64_t(1) << 31) * 16, "`", xname, "` is too large: ", x.sizes());
 }
 
-// (C, 1, K, K) -> (K*K, C) float32, taps row-major.
+// (C, 1, K, K) -> (K*K, C) float32, taps row-major (the row kernels).
 at::Tensor taps_of(const at::Tensor& weight) {
   return weight.detach().reshape({weight.size(0), -1}).t().to(at::kFloat).contiguous();
+}
+
+// (C, 1, K, K) -> (C, K*K) float32 (the tile kernels): a view of a contiguous float32 weight.
+at::Tensor weight_rows(const at::Tensor& weight) {
+  return weight.detach().reshape({weight.size(0), -1}).to(at::kFloat).contiguous();
 }
 
 at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           bool add_input, bool silu, int64_t tile, int64_t vec) {
   check_variant(tile, vec);
+  if (tile == 1) tile = 0;  // the one-pass backward's forward is the tile kernels' forward
   check_common(x_, weight, "x");
   const int64_t C = x_.size(1);
   if (bias.has_value()) {
@@ -86,13 +92,13 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   }
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = nhwc(x_);
-  const at::Tensor taps = taps_of(weight);
+  const at::Tensor taps = tile == 0 ? weight_rows(weight) : taps_of(weight);
   at::Tensor b32;
   if (bias.has_value()) b32 = bias->detach().to(at::kFloat).contiguous();
   at::Tensor y = at::empty_like(x, x.options(), at::MemoryFormat::ChannelsLast);
   DwConvForwardParams p;
   p.x = x.data_ptr();
-  p.taps = taps.data_ptr<float>();
+  (tile == 0 ? p.weight : p.taps) = taps.data_ptr<float>();
   p.bias = bias.has_value() ? b32.data_ptr<float>() : nullptr;
   p.residual = add_input ? x.data_ptr() : nullptr;
   p.y = y.data_ptr();
@@ -113,6 +119,39 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   return y;
 }
 
+// The tile kernels' weight and bias gradients (float32 (C, 1, K, K) and (C,)), and with `grad_x` (allocated
+// channels-last like gy) the input gradient in the same pass.
+void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Tensor& weight, int cols,
+                       at::Tensor* grad_x, bool add_input, at::Tensor& grad_w, at::Tensor& grad_b) {
+  const at::Tensor x = nhwc(x_);
+  const int B = int(x.size(0)), C = int(x.size(1)), H = int(x.size(2)), W = int(x.size(3));
+  const int K = int(weight.size(2));
+  const auto f32 = x.options().dtype(at::kFloat);
+  const DwTilePlan q = dwconv_tile_plan(B, H, W, C, K, cols);
+  const at::Tensor partial = at::empty({q.chunks, K * K + 1, C}, f32);
+  const at::Tensor w = grad_x != nullptr ? weight_rows(weight) : at::Tensor();
+  grad_w = at::empty({C, 1, K, K}, f32);
+  grad_b = at::empty({C}, f32);
+  DwConvWgradParams p;
+  p.plan.tile = 0;
+  p.plan.vec = cols;
+  p.grad_y = gy.data_ptr();
+  p.x = x.data_ptr();
+  if (grad_x != nullptr) {
+    p.weight = w.data_ptr<float>();
+    p.grad_x = grad_x->data_ptr();
+    p.add_input = add_input;
+  }
+  p.partial = partial.data_ptr<float>();
+  p.grad_w = grad_w.data_ptr<float>();
+  p.grad_b = grad_b.data_ptr<float>();
+  p.B = B, p.C = C, p.H = H, p.W = W, p.K = K;
+  p.dtype = dw_scalar_type(x.scalar_type());
+  p.stream = c10::cuda::getCurrentCUDAStream();
+  const std::string err = dwconv_wgrad_launch(p);
+  GSPN2_DW_CHECK(err.empty(), err);
+}
+
 // [grad_x (x's dtype, channels_last; undefined unless need_input), grad_weight (C, 1, K, K) and grad_bias (C,)
 // in float32 (undefined unless need_weight)].
 std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at::Tensor& x_, const at::Tensor& weight,
@@ -131,12 +170,18 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
   const ScalarType dtype = dw_scalar_type(x_.scalar_type());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor grad_x, grad_w, grad_b;
+  if (tile == 1 && need_input && need_weight) {  // the tile kernels' one-pass backward
+    grad_x = at::empty_like(gy, gy.options(), at::MemoryFormat::ChannelsLast);
+    tile_weight_grads(gy, x_, weight, vec, &grad_x, add_input, grad_w, grad_b);
+    return {grad_x, grad_w, grad_b};
+  }
+  if (tile == 1) tile = 0;
   if (need_input) {
-    const at::Tensor taps = taps_of(weight);
+    const at::Tensor taps = tile == 0 ? weight_rows(weight) : taps_of(weight);
     grad_x = at::empty_like(gy, gy.options(), at::MemoryFormat::ChannelsLast);
     DwConvForwardParams p;
     p.x = gy.data_ptr();
-    p.taps = taps.data_ptr<float>();
+    (tile == 0 ? p.weight : p.taps) = taps.data_ptr<float>();
     p.residual = add_input ? gy.data_ptr() : nullptr;
     p.y = grad_x.data_ptr();
     p.B = B, p.C = C, p.H = H, p.W = W, p.K = K;
@@ -148,7 +193,9 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
     const std::string err = dwconv_forward_launch(p);
     GSPN2_DW_CHECK(err.empty(), err);
   }
-  if (need_weight) {
+  if (need_weight && tile == 0) {
+    tile_weight_grads(gy, x_, weight, vec, nullptr, false, grad_w, grad_b);
+  } else if (need_weight) {
     const at::Tensor x = nhwc(x_);
     const auto f32 = x.options().dtype(at::kFloat);
     at::Tensor out = at::empty({K * K + 1, C}, f32);

@@ -27,7 +27,8 @@ inline bool dwconv_kernel_size_supported(int K) { return K == 3 || K == 5 || K =
 
 struct DwConvForwardParams {
   const void* x = nullptr;         // (B, H, W, C)
-  const float* taps = nullptr;     // (K*K, C)
+  const float* taps = nullptr;     // (K*K, C), the row kernels (tile 4 or 8)
+  const float* weight = nullptr;   // (C, K*K), the shared-memory tile kernels (tile 0)
   const float* bias = nullptr;     // (C,) or null
   const void* residual = nullptr;  // (B, H, W, C) added to the output, or null
   void* y = nullptr;               // (B, H, W, C)
@@ -57,7 +58,13 @@ struct DwConvWgradParams {
   const void* grad_y = nullptr;  // (B, H, W, C)
   const void* x = nullptr;       // (B, H, W, C)
   float* partial = nullptr;      // (chunks, K*K + 1, C): taps then bias
-  float* out = nullptr;          // (K*K + 1, C)
+  float* out = nullptr;          // (K*K + 1, C) (row kernels); the tile kernels write grad_w and grad_b:
+  float* grad_w = nullptr;       // (C, K*K)
+  float* grad_b = nullptr;       // (C,)
+  // The tile kernels' one-pass backward (tile 1) also writes the input gradient:
+  const float* weight = nullptr;  // (C, K*K)
+  void* grad_x = nullptr;         // (B, H, W, C), or null: weight and bias gradients only
+  bool add_input = false;
   int B = 0, H = 0, W = 0, C = 0, K = 0;
   ScalarType dtype = ScalarType::Float;
   DwConvWgradPlan plan;
@@ -66,8 +73,31 @@ struct DwConvWgradParams {
 
 DwConvWgradPlan dwconv_wgrad_plan(int B, int H, int W, int C, int K, ScalarType dtype, int tile, int vec);
 
-// Both return an empty string, or the CUDA error of the launch.
+// Shared-memory tile kernels (tile 0; tile 1: the same with a one-pass backward): a CTA holds 32 channels (one per lane) of a spatial tile of
+// sub_h x sub_w warp tiles, each warp tile kRows x `cols` output pixels (cols = vec: 4 or 8), and stages the
+// tile's input with its halo in shared memory as float32. The weight gradient's CTAs each sum a chunk of
+// tiles; the chunk count depends on the shape only (deterministic on every GPU).
+constexpr int kTileLanes = 32;      // channels per CTA
+constexpr int kTileRows = 4;        // output rows per thread
+constexpr int kTileMaxWarps = 8;    // warp tiles per CTA
+constexpr int kTileWgradCtas = 1024;  // the weight gradient's target CTA count
+struct DwTilePlan {
+  int rows = kTileRows, cols = 4;  // output pixels per thread
+  int sub_h = 1, sub_w = 1;        // warp tiles per CTA
+  int tiles_h = 1, tiles_w = 1;    // CTA tiles per image
+  int64_t tiles = 0;               // B * tiles_h * tiles_w
+  int channel_blocks = 1;
+  int chunks = 1;                  // weight gradient: CTAs along the tiles
+  int64_t tiles_per_chunk = 1;
+  int smem_forward = 0, smem_wgrad = 0, smem_backward = 0;  // bytes
+};
+DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols);
+
+// Both return an empty string, or the CUDA error of the launch. Tile 0 (and 1) go to the tile kernels'
+// entry points (dwconv_tile.cu), which take the same structs.
 std::string dwconv_forward_launch(const DwConvForwardParams& p);
 std::string dwconv_wgrad_launch(const DwConvWgradParams& p);
+std::string dwconv_tile_forward_launch(const DwConvForwardParams& p);
+std::string dwconv_tile_wgrad_launch(const DwConvWgradParams& p);
 
 }  // namespace gspn2

@@ -1,4 +1,5 @@
-// Depthwise convolution kernels on channels-last memory (see dwconv.h for the function).
+// Depthwise convolution on channels-last memory: the row kernels (tile 4 or 8; dwconv.h), and the entry points
+// that hand tile 0 and 1 to the shared-memory tile kernels (dwconv_tile.cu).
 //
 // Forward / input gradient: one thread computes `tile` (4 or 8) consecutive output pixels of one row for `V`
 // channels (16 bytes of the input dtype, or 4 channels of a 16-bit dtype with `vec` 4; 4 where C is not a
@@ -12,54 +13,13 @@
 // keeps the K * V partial sums of its kernel row in registers; the CTA adds its rows in a fixed order through
 // shared memory and writes one partial per chunk; a last pass sums the chunks in order. No atomics: the
 // result is deterministic.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 
 #include "dwconv.h"
+#include "dwconv_device.cuh"
 
 namespace gspn2 {
 namespace {
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-template <typename T, int V>
-__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[V]) {
-  const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p);
-#pragma unroll
-  for (int v = 0; v < V; ++v) out[v] = to_float(pk.v[v]);
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[V]) {
-  Pack<T, V> pk;
-#pragma unroll
-  for (int v = 0; v < V; ++v) pk.v[v] = from_float<T>(in[v]);
-  *reinterpret_cast<Pack<T, V>*>(p) = pk;
-}
-
-template <int V>
-__device__ __forceinline__ void zero_vec(float (&out)[V]) {
-#pragma unroll
-  for (int v = 0; v < V; ++v) out[v] = 0.f;
-}
 
 template <typename T, int V, int K, int TW>
 __global__ void __launch_bounds__(128) dwconv_forward_kernel(
@@ -334,11 +294,6 @@ void wgrad_t(const DwConvWgradParams& p) {
   dwconv_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, p.stream>>>(p.partial, p.out, p.plan.chunks, n);
 }
 
-std::string last_error() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? std::string() : std::string("CUDA error: ") + cudaGetErrorString(err);
-}
-
 }  // namespace
 
 DwConvWgradPlan dwconv_wgrad_plan(int B, int H, int W, int C, int K, ScalarType dtype, int tile, int vec) {
@@ -365,22 +320,24 @@ DwConvWgradPlan dwconv_wgrad_plan(int B, int H, int W, int C, int K, ScalarType 
 std::string dwconv_forward_launch(const DwConvForwardParams& p) {
   if (!dwconv_kernel_size_supported(p.K)) return "gspn2: depthwise kernel size " + std::to_string(p.K) + " has no compiled kernel";
   if (int64_t(p.B) * p.H * p.W * p.C == 0) return std::string();
+  if (p.tile == 0) return dwconv_tile_forward_launch(p);
   switch (p.dtype) {
     case ScalarType::Float: forward_t<float>(p); break;
     case ScalarType::Half: forward_t<__half>(p); break;
     case ScalarType::BFloat16: forward_t<__nv_bfloat16>(p); break;
   }
-  return last_error();
+  return last_launch_error();
 }
 
 std::string dwconv_wgrad_launch(const DwConvWgradParams& p) {
   if (!dwconv_kernel_size_supported(p.K)) return "gspn2: depthwise kernel size " + std::to_string(p.K) + " has no compiled kernel";
+  if (p.plan.tile == 0) return dwconv_tile_wgrad_launch(p);
   switch (p.dtype) {
     case ScalarType::Float: wgrad_t<float>(p); break;
     case ScalarType::Half: wgrad_t<__half>(p); break;
     case ScalarType::BFloat16: wgrad_t<__nv_bfloat16>(p); break;
   }
-  return last_error();
+  return last_launch_error();
 }
 
 }  // namespace gspn2

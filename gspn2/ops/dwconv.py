@@ -12,15 +12,26 @@ every other device runs ``F.conv2d`` / ``aten.convolution_backward`` with the au
 * ``gspn2::depthwise_conv2d(x, weight, bias, add_input, silu, tile, vec) -> y`` (``y`` has ``x``'s strides)
 * ``gspn2::depthwise_conv2d_backward(grad_y, x, weight, has_bias, add_input, tile, vec) -> (grad_x, grad_w, grad_b)``
 
-``tile`` and ``vec`` choose the kernel variant (output pixels and channels per thread, 4 or 8 each).
+``tile`` and ``vec`` choose the kernel family and its variant (docs/kernel.md, "Depthwise convolution"):
+
+* ``tile`` 4 or 8: the *row* kernels, ``tile`` output pixels of a row and ``vec`` (4 or 8) channels per
+  thread, inputs read through L1;
+* ``tile`` 0: the *shared-memory tile* kernels, which stage a CTA's input tile with its halo once in shared
+  memory and give each thread 4 rows x ``vec`` (4 or 8) output pixels of one channel; the backward is an
+  input-gradient and a weight-gradient kernel;
+* ``tile`` 1: the tile kernels with a one-pass backward (grad_y and x staged once for all three gradients).
+
+The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_FAMILY`, the row kernels; ``row``,
+``tile``, ``fused``), ``dwconv_tile`` / ``dwconv_vec`` the row kernels' variant and ``dwconv_tile_cols`` the
+tile kernels' columns per thread.
 
 The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
 
-* ``auto`` (default): the CUDA kernel for channels_last float32/float16/bfloat16 inputs with K = 3 when the
-  extension is built (the local perception units, where it measured faster than cuDNN plus the residual add;
-  docs/benchmarks.md), ``F.conv2d`` (cuDNN) otherwise, called directly so that ``torch.compile`` sees a
-  plain convolution. The 5x5 and 7x7 kernels measured 0.8-1.1x cuDNN, so ``auto`` leaves those to cuDNN.
-* ``cuda``: the kernel for every K in {3, 5, 7}, and an error where it cannot run.
+* ``auto`` (default): the CUDA kernels for channels_last float32/float16/bfloat16 inputs with K = 3 when the
+  extension is built (the local perception units, where the row kernels measured faster than cuDNN plus the
+  residual add; docs/benchmarks.md), ``F.conv2d`` (cuDNN) otherwise, called directly so that
+  ``torch.compile`` sees a plain convolution.
+* ``cuda``: the kernels for every K in {3, 5, 7}, and an error where they cannot run.
 * ``cudnn``: always ``F.conv2d`` (comparisons, debugging).
 
 The choice is made when the call is traced: under ``torch.compile``, set the option before compiling.
@@ -46,6 +57,9 @@ __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_avai
 KERNEL_SIZES = tuple(_cuda.limits()["dwconv_kernel_sizes"]) if _cuda.extension_available() else ()
 #: ... and those ``dwconv="auto"`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
 AUTO_KERNEL_SIZES = (3,)
+#: The kernel family ``dwconv_kernel="auto"`` runs for each kernel size: the row kernels, the family validated
+#: on a GPU (tests/ops/test_dwconv.py, docs/benchmarks.md); the tile families are opt-in until they are.
+AUTO_FAMILY = {3: "row", 5: "row", 7: "row"}
 _EXTENSION = _cuda.extension_available()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -107,9 +121,10 @@ def _check_flags(add_input, silu) -> None:
 
 
 def _check_variant(tile: int, vec: int) -> None:
-    for name, v in (("tile", tile), ("vec", vec)):
-        if v not in (4, 8):
-            raise ValueError(f"gspn2: `{name}` must be 4 or 8, got {v}")
+    if tile not in (0, 1, 4, 8):
+        raise ValueError(f"gspn2: `tile` must be 0, 1, 4 or 8, got {tile}")
+    if vec not in (4, 8):
+        raise ValueError(f"gspn2: `vec` must be 4 or 8, got {vec}")
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -233,9 +248,21 @@ def _backward(ctx, grad_y):
 torch.library.register_autograd("gspn2::depthwise_conv2d", _backward, setup_context=_setup_context, lib=_LIB)
 
 
-def _dwconv(x, weight, bias, add_input, silu):
+def variant(kernel_size: int) -> tuple[int, int]:
+    """The ``(tile, vec)`` arguments of the op for this kernel size under the current options: ``(0, columns)``
+    for the shared-memory tile kernels, ``(pixels, channels)`` per thread for the row kernels."""
     o = _options.current()
-    return torch.ops.gspn2.depthwise_conv2d.default(x, weight, bias, add_input, silu, o.dwconv_tile, o.dwconv_vec)
+    family = o.dwconv_kernel
+    if family == "auto":
+        family = AUTO_FAMILY.get(kernel_size, "row")
+    if family == "row":
+        return o.dwconv_tile, o.dwconv_vec
+    return (1 if family == "fused" else 0), o.dwconv_tile_cols
+
+
+def _dwconv(x, weight, bias, add_input, silu):
+    tile, vec = variant(weight.shape[-1])
+    return torch.ops.gspn2.depthwise_conv2d.default(x, weight, bias, add_input, silu, tile, vec)
 
 
 def depthwise_conv2d(

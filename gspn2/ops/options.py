@@ -18,8 +18,14 @@ environment         option                               values
 ``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
                     convolution on CUDA tensors          than cuDNN: K = 3), ``cuda`` (every K it
                                                          supports, else an error), ``cudnn``
+(none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_FAMILY``: the
+                    kernel family                        row kernels), ``row``, ``tile`` (shared-memory
+                                                         tiles), ``fused`` (tiles, one-pass backward)
 (none)              ``dwconv_tile``, ``dwconv_vec``:     4 or 8 each (benchmarks)
-                    the depthwise kernel's variant
+                    the row kernels' pixels and
+                    channels per thread
+(none)              ``dwconv_tile_cols``: the tile       4 or 8 (benchmarks)
+                    kernels' output columns per thread
 ==================  ===================================  ================================================
 
 Values from the environment are case-insensitive; an unset or empty variable means ``auto``.
@@ -59,8 +65,9 @@ _CHOICES = {
     "backend": ("auto", "cuda", "reference"),
     "kernel": KERNELS,
     "dwconv": ("auto", "cuda", "cudnn"),
+    "dwconv_kernel": ("auto", "row", "tile", "fused"),
 }
-_INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile": (4, 8), "dwconv_vec": (4, 8)}
+_INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile": (4, 8), "dwconv_tile_cols": (4, 8), "dwconv_vec": (4, 8)}
 _ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV}
 
 
@@ -72,8 +79,10 @@ class Options:
     kernel: str = "auto"
     cluster_ctas: int = 0
     dwconv: str = "auto"
+    dwconv_kernel: str = "auto"
     dwconv_tile: int = 4
     dwconv_vec: int = 8
+    dwconv_tile_cols: int = 4
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

@@ -23,6 +23,14 @@ def _restore_options():
     options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
 
 
+def _set_variant(variant):
+    """``t<tile>v<vec>``: the row kernels (tile 4 or 8) or, for t0v<cols>, the shared-memory tile kernels."""
+    if variant.startswith(("t0", "t1")):
+        options.set_options(dwconv_kernel="tile" if variant[1] == "0" else "fused", dwconv_tile_cols=int(variant[3]))
+    else:
+        options.set_options(dwconv_kernel="row", dwconv_tile=int(variant[1]), dwconv_vec=int(variant[3]))
+
+
 def _reference(x, w, b, add, silu=False):
     y = F.conv2d(x, w, b, padding=w.shape[-1] // 2, groups=x.shape[1])
     y = y + x if add else y
@@ -106,7 +114,7 @@ def test_backend_switch_is_validated():
             options.set_options(**{name: value})
     x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3)
     for tile, vec in ((5, 8), (4, 2)):
-        with pytest.raises(ValueError, match="`tile` must be 4 or 8" if tile == 5 else "`vec` must be 4 or 8"):
+        with pytest.raises(ValueError, match="`tile` must be 0, 1, 4 or 8" if tile == 5 else "`vec` must be 4 or 8"):
             torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, tile, vec)
 
 
@@ -114,8 +122,8 @@ def test_backend_switch_is_validated():
 @pytest.mark.cuda
 def test_cuda_kernel_variant_is_validated():
     x, w, b = _cuda_case(1, 8, 5, 5, 3, torch.float32)
-    for tile, vec, name in ((5, 8, "tile"), (4, 2, "vec")):
-        with pytest.raises(ValueError, match=f"`{name}` must be 4 or 8"):
+    for tile, vec, match in ((5, 8, "`tile` must be 0, 1, 4 or 8"), (4, 2, "`vec` must be 4 or 8")):
+        with pytest.raises(ValueError, match=match):
             torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, tile, vec)
 
 
@@ -130,10 +138,21 @@ def test_auto_gives_the_kernel_the_3x3_only():
     options.set_options(dwconv="auto")
     x = torch.randn(1, 4, 5, 5).to(memory_format=torch.channels_last)
     assert D._use_kernel(x, torch.randn(4, 1, 3, 3)) == D.kernel_available()
-    assert not D._use_kernel(x, torch.randn(4, 1, 7, 7))  # measured on par with cuDNN: cuDNN
+    assert not D._use_kernel(x, torch.randn(4, 1, 7, 7))  # cuDNN
     assert not D._use_kernel(x.contiguous(), torch.randn(4, 1, 3, 3))  # NCHW memory
     options.set_options(dwconv="cuda")
     assert D._use_kernel(x, torch.randn(4, 1, 7, 7)) == D.kernel_available()
+
+
+def test_kernel_family_options_give_the_op_variant():
+    options.set_options(dwconv_kernel="auto", dwconv_tile=8, dwconv_vec=4, dwconv_tile_cols=8)
+    assert [D.variant(k) for k in (3, 5, 7)] == [(8, 4)] * 3  # auto: the row kernels
+    options.set_options(dwconv_kernel="tile")
+    assert D.variant(7) == (0, 8)
+    options.set_options(dwconv_kernel="fused", dwconv_tile_cols=4)
+    assert D.variant(3) == (1, 4)
+    with pytest.raises(ValueError, match="dwconv_kernel"):
+        options.set_options(dwconv_kernel="tiles")
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -164,13 +183,12 @@ def test_cuda_extension_has_the_kernel():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t8v8", "t8v4"])
+@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t8v8", "t8v4", "t0v4", "t0v8", "t1v4", "t1v8"])
 @pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
                                    (2, 17, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 6, 3, 1, 7, False)])
 def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
     N, C, H, W, K, add = shape
-    options.set_options(dwconv_tile=int(variant[1]))
-    options.set_options(dwconv_vec=int(variant[3]))
+    _set_variant(variant)
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
@@ -190,9 +208,9 @@ def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("C,K", [(120, 7), (26, 7), (80, 3), (20, 5)])  # 8 or 4 channels, 1, 4 channels
-@pytest.mark.parametrize("vec", ["8", "4"])
-def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, vec):
-    options.set_options(dwconv_vec=int(vec))
+@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t0v4", "t0v8", "t1v4", "t1v8"])
+def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
+    _set_variant(variant)
     x, w, b = _cuda_case(4, C, 28, 28, K, dtype)
     gy = torch.randn_like(x)
     exact = _grads("cudnn", x.double(), w.double(), b.double(), False, gy.double())
@@ -216,10 +234,11 @@ def test_cuda_silu_fused_forward():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("vec", ["8", "4"])
+@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t0v4", "t0v8", "t1v4", "t1v8"])
 @pytest.mark.parametrize("K", [3, 7])
-def test_cuda_deterministic(vec, K):
-    options.set_options(dwconv="cuda", dwconv_vec=int(vec))
+def test_cuda_deterministic(variant, K):
+    options.set_options(dwconv="cuda")
+    _set_variant(variant)
     x, w, b = _cuda_case(8, 160, 28, 28, K, torch.bfloat16)
     gy = torch.randn_like(x)
     a = _grads("cuda", x, w, b, True, gy)
