@@ -99,11 +99,12 @@ __device__ __forceinline__ void store_chunk_partials(float* red, const float (&a
   }
 }
 
-// Adds one warp tile's products to the tap sums: acc[i * K + j] += g[r][c] * x[r + i][c + j] over the
-// thread's R x CW pixels, x read from the staged tile at `sx` (the warp tile's top-left halo pixel).
-template <int K, int R, int CW>
-__device__ __forceinline__ void accumulate_taps(float (&acc)[K * K], const float (&gv)[R][CW], const float* sx,
-                                                int cols) {
+// Slides over the thread's input window once: for each staged input v = x[ir][ic] of the warp tile's
+// (R + K - 1) x (CW + K - 1) window (top-left halo pixel at `sx`), calls f(v, r, c, tap) for every output
+// pixel (r, c) of the thread that v reaches through tap (ir - r) * K + (ic - c). Unrolled: r, c and tap are
+// constants in f.
+template <int K, int R, int CW, typename F>
+__device__ __forceinline__ void for_each_window_tap(const float* sx, int cols, F&& f) {
 #pragma unroll
   for (int ir = 0; ir < R + K - 1; ++ir) {
 #pragma unroll
@@ -114,39 +115,28 @@ __device__ __forceinline__ void accumulate_taps(float (&acc)[K * K], const float
         const int i = ir - r;
         if (i < 0 || i >= K) continue;
 #pragma unroll
-        for (int j = 0; j < CW; ++j) {
-          const int jj = ic - j;
-          if (jj < 0 || jj >= K) continue;
-          acc[i * K + jj] = fmaf(gv[r][j], v, acc[i * K + jj]);
+        for (int c = 0; c < CW; ++c) {
+          const int j = ic - c;
+          if (j < 0 || j >= K) continue;
+          f(v, r, c, i * K + j);
         }
       }
     }
   }
 }
 
-// The convolution of one warp tile: acc[r][c] += sum_{i, j} x[r + i][c + j] * wr[i * K + j], x read from the
-// staged tile at `sx` (the warp tile's top-left halo pixel).
+// The convolution of one warp tile: acc[r][c] += sum over taps of x[r + i][c + j] * wr[i * K + j].
 template <int K, int R, int CW>
 __device__ __forceinline__ void convolve_tile(float (&acc)[R][CW], const float (&wr)[K * K], const float* sx,
                                               int cols) {
-#pragma unroll
-  for (int ir = 0; ir < R + K - 1; ++ir) {
-#pragma unroll
-    for (int ic = 0; ic < CW + K - 1; ++ic) {
-      const float v = sx[(ir * cols + ic) * kTileLanes];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int i = ir - r;
-        if (i < 0 || i >= K) continue;
-#pragma unroll
-        for (int j = 0; j < CW; ++j) {
-          const int jj = ic - j;
-          if (jj < 0 || jj >= K) continue;
-          acc[r][j] = fmaf(v, wr[i * K + jj], acc[r][j]);
-        }
-      }
-    }
-  }
+  for_each_window_tap<K, R, CW>(sx, cols, [&](float v, int r, int c, int t) { acc[r][c] = fmaf(v, wr[t], acc[r][c]); });
+}
+
+// One warp tile's products added to the tap sums: acc[i * K + j] += g[r][c] * x[r + i][c + j].
+template <int K, int R, int CW>
+__device__ __forceinline__ void accumulate_taps(float (&acc)[K * K], const float (&gv)[R][CW], const float* sx,
+                                                int cols) {
+  for_each_window_tap<K, R, CW>(sx, cols, [&](float v, int r, int c, int t) { acc[t] = fmaf(gv[r][c], v, acc[t]); });
 }
 
 // Forward and input gradient: y = conv(x) (+ bias) (+ x, `add_input`, read from the staged tile) (then
