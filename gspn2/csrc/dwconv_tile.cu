@@ -59,6 +59,18 @@ __device__ __forceinline__ void stage_tile(float* __restrict__ s, const T* __res
   }
 }
 
+// Stages the KK taps of the CTA's kTileLanes channels from the (C, KK) float32 weight (coalesced reads) at
+// s[lane * KK + tap], flipped (tap KK - 1 - t) for the input gradient; zeros past channel C. KK is odd, so
+// the threads' reads s[lane * KK + t] hit distinct banks.
+template <int KK>
+__device__ __forceinline__ void stage_taps(float* __restrict__ s, const float* __restrict__ weight, int c0, int C,
+                                           bool flip) {
+  for (int i = threadIdx.x; i < kTileLanes * KK; i += blockDim.x) {
+    const int cc = i / KK, tap = i % KK;
+    s[cc * KK + (flip ? KK - 1 - tap : tap)] = c0 + cc < C ? weight[int64_t(c0) * KK + i] : 0.f;
+  }
+}
+
 struct TileGeometry {
   int b, h0, w0;  // image and top-left output pixel of the CTA's tile
   int th, tw;     // tile size in output pixels
@@ -156,10 +168,7 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_forwar
   const TileGeometry g = tile_geometry(blockIdx.x, tiles_h, tiles_w, sub_h, sub_w, R, CW);
   const int cols = g.tw + K - 1;
 
-  for (int i = threadIdx.x; i < kTileLanes * KK; i += blockDim.x) {
-    const int cc = i / KK, tap = i % KK;
-    s_w[cc * KK + (flip ? KK - 1 - tap : tap)] = c0 + cc < C ? weight[int64_t(c0) * KK + i] : 0.f;
-  }
+  stage_taps<KK>(s_w, weight, c0, C, flip);
   const int64_t img = int64_t(g.b) * H * W * C;
   stage_tile<T>(s_x, x + img, g.h0 - P, g.w0 - P, g.th + K - 1, cols, H, W, C, c0, vec);
   __syncthreads();
@@ -258,10 +267,7 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
 
   // The flipped taps of this thread's channel, through shared memory (coalesced reads of the weight).
   float wr[KK];
-  for (int i = threadIdx.x; i < kTileLanes * KK; i += blockDim.x) {
-    const int cc = i / KK, tap = i % KK;
-    s_g[cc * KK + KK - 1 - tap] = c0 + cc < C ? weight[int64_t(c0) * KK + i] : 0.f;
-  }
+  stage_taps<KK>(s_g, weight, c0, C, true);
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < KK; ++t) wr[t] = s_g[lane * KK + t];
