@@ -3,6 +3,7 @@
     python scripts/profile_model.py                                   # gspn2_tiny, train, 224^2, batch 128
     python scripts/profile_model.py --model gspn2_tiny --task infer --batch-size 256 --rows 30
     python scripts/profile_model.py --trace runs/gspn2_tiny_trace.json   # also a Chrome trace
+    python scripts/profile_model.py --compile --by-shape              # also the GEMMs by their shapes
 
 bf16 autocast and channels_last, as scripts/bench_models.py measures. The table lists the operators by
 their own CUDA time (``self_cuda_time_total``), summed over ``--steps`` profiled steps, with the share of
@@ -34,6 +35,11 @@ def operator_table(events) -> tuple[float, list]:
     return total, sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)
 
 
+#: The operators ``--by-shape`` lists by input shape.
+SHAPED_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::cudnn_convolution", "aten::convolution_backward",
+              "gspn2::")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gspn2_tiny")
@@ -44,6 +50,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=40, help="operators to list")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--by-shape", action="store_true",
+                   help="also list the GEMMs and convolutions (aten::mm, addmm, ...) by their input shapes")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_model.py needs a CUDA GPU")
@@ -81,7 +89,7 @@ def main() -> None:
     ms = start.elapsed_time(end) / args.steps
     print(f"{args.model} {args.task} {args.img_size}^2 batch {args.batch_size}: {ms:.2f} ms/step, "
           f"{args.batch_size / ms * 1e3:.0f} img/s (unprofiled)")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.by_shape) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
@@ -91,6 +99,14 @@ def main() -> None:
     for e in rows[: args.rows]:
         print(f"{e.self_device_time_total / args.steps / 1e3:18.3f} {100 * e.self_device_time_total / total:5.1f}% "
               f"{e.count / args.steps:10.1f}  {e.key[:110]}")
+    if args.by_shape:
+        gemms = [e for e in prof.key_averages(group_by_input_shape=True)
+                 if e.device_type != DeviceType.CUDA and e.self_device_time_total > 0 and e.key.startswith(SHAPED_OPS)]
+        gemms.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        print(f"\n{'self CUDA ms/step':>18s} {'calls/step':>10s}  operator  input shapes")
+        for e in gemms[: args.rows]:
+            print(f"{e.self_device_time_total / args.steps / 1e3:18.3f} {e.count / args.steps:10.1f}  {e.key}  "
+                  f"{e.input_shapes}")
     if args.trace:
         prof.export_chrome_trace(args.trace)
 

@@ -2,8 +2,9 @@
 
 cuDNN's depthwise kernels on channels_last bf16 tensors are a large share of a GSPN-2 step: every block runs
 three (two 3x3 local perception units on C channels and the mixer's 7x7 on its hidden width).
-:func:`depthwise_conv2d` computes the same function with gspn2's CUDA kernels (``gspn2/csrc/dwconv_kernel.cu``:
-forward, input gradient, weight and bias gradients; float32 weights and accumulation; deterministic) and
+:func:`depthwise_conv2d` computes the same function with gspn2's CUDA kernels (``gspn2/csrc/dwconv_tile.cu`` and
+``dwconv_kernel.cu``: forward, input gradient, weight and bias gradients; float32 weights and accumulation;
+deterministic) and
 optionally adds the input (the ``x + DWConv(x)`` residual) or applies SiLU in the same pass.
 
 Ops (schemas here; the CUDA implementations and their autograd are registered in C++, ``gspn2/csrc/dwconv.cpp``;
@@ -21,15 +22,15 @@ every other device runs ``F.conv2d`` / ``aten.convolution_backward`` with the au
   input-gradient and a weight-gradient kernel;
 * ``tile`` 1: the tile kernels with a one-pass backward (grad_y and x staged once for all three gradients).
 
-The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_FAMILY`, the row kernels; ``row``,
+The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_FAMILY`, the tile kernels; ``row``,
 ``tile``, ``fused``), ``dwconv_tile`` / ``dwconv_vec`` the row kernels' variant and ``dwconv_tile_cols`` the
 tile kernels' columns per thread.
 
 The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
 
-* ``auto`` (default): the CUDA kernels for channels_last float32/float16/bfloat16 inputs with K = 3 when the
-  extension is built (the local perception units, where the row kernels measured faster than cuDNN plus the
-  residual add; docs/benchmarks.md), ``F.conv2d`` (cuDNN) otherwise, called directly so that
+* ``auto`` (default): the CUDA kernels for channels_last float32/float16/bfloat16 inputs with K = 3 or 7 when
+  the extension is built (the local perception units and the mixer, where the tile kernels measured 1.5-1.8x
+  faster than cuDNN; docs/benchmarks.md), ``F.conv2d`` (cuDNN) otherwise, called directly so that
   ``torch.compile`` sees a plain convolution.
 * ``cuda``: the kernels for every K in {3, 5, 7}, and an error where they cannot run.
 * ``cudnn``: always ``F.conv2d`` (comparisons, debugging).
@@ -56,10 +57,10 @@ __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_avai
 #: Kernel sizes the CUDA kernel implements, from the extension (gspn2/csrc/dwconv.h); none without it ...
 KERNEL_SIZES = tuple(_cuda.limits()["dwconv_kernel_sizes"]) if _cuda.extension_available() else ()
 #: ... and those ``dwconv="auto"`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
-AUTO_KERNEL_SIZES = (3,)
-#: The kernel family ``dwconv_kernel="auto"`` runs for each kernel size: the row kernels, the family validated
-#: on a GPU (tests/ops/test_dwconv.py, docs/benchmarks.md); the tile families are opt-in until they are.
-AUTO_FAMILY = {3: "row", 5: "row", 7: "row"}
+AUTO_KERNEL_SIZES = (3, 7)
+#: The kernel family ``dwconv_kernel="auto"`` runs for each kernel size: the shared-memory tile kernels, the
+#: fastest forward plus backward on the models' 3x3 and 7x7 shapes (docs/benchmarks.md, "Depthwise convolution").
+AUTO_FAMILY = {3: "tile", 5: "tile", 7: "tile"}
 _EXTENSION = _cuda.extension_available()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -16,10 +16,10 @@ environment         option                               values
 (none)              ``cluster_ctas``: CTAs per line of   0 (the planner's choice), 2, 4, 8
                     the cluster kernels (benchmarks)
 ``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
-                    convolution on CUDA tensors          than cuDNN: K = 3), ``cuda`` (every K it
+                    convolution on CUDA tensors          than cuDNN: K = 3, 7), ``cuda`` (every K it
                                                          supports, else an error), ``cudnn``
 (none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_FAMILY``: the
-                    kernel family                        row kernels), ``row``, ``tile`` (shared-memory
+                    kernel family                        tile kernels), ``row``, ``tile`` (shared-memory
                                                          tiles), ``fused`` (tiles, one-pass backward)
 (none)              ``dwconv_tile``, ``dwconv_vec``:     4 or 8 each (benchmarks)
                     the row kernels' pixels and

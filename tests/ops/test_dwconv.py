@@ -134,19 +134,22 @@ def test_forced_kernel_explains_why_it_cannot_run():
         D._use_kernel(x, torch.randn(4, 1, 9, 9))
 
 
-def test_auto_gives_the_kernel_the_3x3_only():
+def test_auto_gives_the_kernel_the_3x3_and_7x7():
     options.set_options(dwconv="auto")
     x = torch.randn(1, 4, 5, 5).to(memory_format=torch.channels_last)
     assert D._use_kernel(x, torch.randn(4, 1, 3, 3)) == D.kernel_available()
-    assert not D._use_kernel(x, torch.randn(4, 1, 7, 7))  # cuDNN
+    assert D._use_kernel(x, torch.randn(4, 1, 7, 7)) == D.kernel_available()
+    assert not D._use_kernel(x, torch.randn(4, 1, 5, 5))  # cuDNN: not measured on a model's shapes
     assert not D._use_kernel(x.contiguous(), torch.randn(4, 1, 3, 3))  # NCHW memory
     options.set_options(dwconv="cuda")
-    assert D._use_kernel(x, torch.randn(4, 1, 7, 7)) == D.kernel_available()
+    assert D._use_kernel(x, torch.randn(4, 1, 5, 5)) == D.kernel_available()
 
 
 def test_kernel_family_options_give_the_op_variant():
     options.set_options(dwconv_kernel="auto", dwconv_tile=8, dwconv_vec=4, dwconv_tile_cols=8)
-    assert [D.variant(k) for k in (3, 5, 7)] == [(8, 4)] * 3  # auto: the row kernels
+    assert [D.variant(k) for k in (3, 5, 7)] == [(0, 8)] * 3  # auto: the tile kernels
+    options.set_options(dwconv_kernel="row")
+    assert D.variant(7) == (8, 4)
     options.set_options(dwconv_kernel="tile")
     assert D.variant(7) == (0, 8)
     options.set_options(dwconv_kernel="fused", dwconv_tile_cols=4)
