@@ -127,7 +127,7 @@ void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Ten
   const int B = int(x.size(0)), C = int(x.size(1)), H = int(x.size(2)), W = int(x.size(3));
   const int K = int(weight.size(2));
   const auto f32 = x.options().dtype(at::kFloat);
-  const DwTilePlan q = dwconv_tile_plan(B, H, W, C, K, cols);
+  const DwTilePlan q = dwconv_tile_plan(B, H, W, C, K, cols, int(x.element_size()), dwconv_tile_smem_limit());
   const at::Tensor partial = at::empty({q.chunks, K * K + 1, C}, f32);
   const at::Tensor w = grad_x != nullptr ? weight_rows(weight) : at::Tensor();
   grad_w = at::empty({C, 1, K, K}, f32);

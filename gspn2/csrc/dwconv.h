@@ -73,14 +73,17 @@ struct DwConvWgradParams {
 
 DwConvWgradPlan dwconv_wgrad_plan(int B, int H, int W, int C, int K, ScalarType dtype, int tile, int vec);
 
-// Shared-memory tile kernels (tile 0; tile 1: the same with a one-pass backward): a CTA holds 32 channels (one per lane) of a spatial tile of
-// sub_h x sub_w warp tiles, each warp tile kRows x `cols` output pixels (cols = vec: 4 or 8), and stages the
-// tile's input with its halo in shared memory as float32. The weight gradient's CTAs each sum a chunk of
-// tiles; the chunk count depends on the shape only (deterministic on every GPU).
+// Shared-memory tile kernels (tile 0; tile 1: the same with a one-pass backward): a CTA holds 32 channels
+// (one per lane) of a spatial tile of sub_h x sub_w warp tiles, each warp tile kRows x `cols` output pixels
+// (cols = vec: 4 or 8), and stages the tile's input with its halo in shared memory in the tensor's dtype.
+// The weight gradient's CTAs each sum a chunk of tiles, double-buffered; the chunk count depends on the
+// shape, the dtype and the shared-memory budget only (deterministic: kTileSmemBudget is below every
+// supported GPU's limit but the smallest).
 constexpr int kTileLanes = 32;      // channels per CTA
 constexpr int kTileRows = 4;        // output rows per thread
 constexpr int kTileMaxWarps = 8;    // warp tiles per CTA
 constexpr int kTileWgradCtas = 1024;  // the weight gradient's target CTA count
+constexpr int kTileSmemBudget = 96 * 1024;  // bytes per CTA the plan stays within
 struct DwTilePlan {
   int rows = kTileRows, cols = 4;  // output pixels per thread
   int sub_h = 1, sub_w = 1;        // warp tiles per CTA
@@ -91,7 +94,10 @@ struct DwTilePlan {
   int64_t tiles_per_chunk = 1;
   int smem_forward = 0, smem_wgrad = 0, smem_backward = 0;  // bytes
 };
-DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols);
+// The plan for `elem_bytes`-sized elements within `smem_limit` bytes per CTA (dwconv_tile_smem_limit():
+// kTileSmemBudget, or the current GPU's opt-in limit where that is smaller).
+DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int elem_bytes, int smem_limit);
+int dwconv_tile_smem_limit();
 
 // Both return an empty string, or the CUDA error of the launch. Tile 0 (and 1) go to the tile kernels'
 // entry points (dwconv_tile.cu), which take the same structs.

@@ -1,12 +1,16 @@
 // Depthwise convolution: the shared-memory tile kernels (tile 0 and 1; dwconv.h). A CTA owns kTileLanes
-// channels (lane = channel) of one spatial tile of sub_h x sub_w warp tiles; each thread computes kTileRows x CW output pixels of its channel. The tile's
-// input and its halo are staged once in shared memory as float32, laid out [pixel][lane], so a warp reads
-// one pixel's 32 channels (128 bytes, no bank conflict) per load. Each thread keeps its channel's K * K taps
-// (forward, input gradient) or K * K partial sums (weight gradient) in registers and slides over its
-// (kTileRows + K - 1) x (CW + K - 1) input window once, so every staged input feeds all the outputs (or
-// taps) it contributes to: K * K FMAs per output for (R + K - 1)(CW + K - 1) / (R * CW) shared loads.
+// channels (lane = channel) of one spatial tile of sub_h x sub_w warp tiles; each thread computes
+// kTileRows x CW output pixels of its channel. The tile's input and its halo are copied once into shared
+// memory in the tensor's dtype by cp.async (16-byte copies that skip registers; zero-filled outside the
+// image), laid out [pixel][lane], so a warp reads one pixel's 32 channels (64 or 128 contiguous bytes, no
+// bank conflict) per load. Each thread keeps its channel's K * K taps (forward, input gradient) or K * K
+// partial sums (weight gradient) in float32 registers and slides over its (kTileRows + K - 1) x (CW + K - 1)
+// input window once, so every staged input feeds all the outputs (or taps) it contributes to: K * K FMAs per
+// output for (R + K - 1)(CW + K - 1) / (R * CW) shared loads.
 // The backward runs as the input gradient (the forward kernel on grad_y with the flipped taps) and the
-// weight gradient (tile 0), or as one pass that stages grad_y and x once for both (tile 1).
+// weight gradient (tile 0), or as one pass that stages grad_y and x once for both (tile 1). Both loop over a
+// chunk of tiles per CTA with two staging buffers: the copies of the next tile run while the current one
+// is computed.
 #include <algorithm>
 #include <atomic>
 
@@ -16,45 +20,62 @@
 namespace gspn2 {
 namespace {
 
+// 16-byte global-to-shared copies that skip registers (cp.async, sm_80 on; zeros where !valid), completed by
+// cp_async_commit + cp_async_wait<N> (at most N of this thread's committed groups still in flight). Before
+// sm_80: a plain copy through registers, complete at once.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#else
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // Stages rows x cols pixels (top-left corner (h0, w0), zeros outside the image and past channel C) of
-// kTileLanes channels from c0 on, as float32 at s[pixel * kTileLanes + lane]. `vec`: C is a multiple of
-// the 16-byte vector (16-bit: 8 channels, float32: 4), so every vector is whole and aligned.
+// kTileLanes channels from c0 on, in T, at s[pixel * kTileLanes + lane]. `vec`: C is a multiple of the
+// 16-byte vector (16-bit: 8 channels, float32: 4), so every vector is whole and aligned (the host passes
+// 16-byte aligned tensors): asynchronous 16-byte copies, which the caller completes (cp_async_commit, then
+// cp_async_wait and __syncthreads). Otherwise plain element copies, complete at the next __syncthreads.
 template <typename T>
-__device__ __forceinline__ void stage_tile(float* __restrict__ s, const T* __restrict__ src, int h0, int w0,
-                                           int rows, int cols, int H, int W, int C, int c0, bool vec) {
-  constexpr int V = 16 / sizeof(T);
-  constexpr int NV = kTileLanes / V;  // vectors per pixel
-  const int n = rows * cols;
+__device__ __forceinline__ void stage_tile(T* __restrict__ s, const T* __restrict__ src, int h0, int w0, int rows,
+                                           int cols, int H, int W, int C, int c0, bool vec) {
   if (vec) {
-    constexpr int kBatch = 4;  // loads in flight per thread before their stores
-    for (int base = threadIdx.x; base < n * NV; base += kBatch * blockDim.x) {
-      float v[kBatch][V];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int i = base + k * blockDim.x;
-        const int p = i / NV, q = i % NV;
-        const int r = p / cols, h = h0 + r, w = w0 + p - r * cols, c = c0 + q * V;
-        if (i < n * NV && h >= 0 && h < H && w >= 0 && w < W && c < C) {
-          load_vec<T, V>(src + (int64_t(h) * W + w) * C + c, v[k]);
-        } else {
-          zero_vec(v[k]);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int i = base + k * blockDim.x;
-        if (i < n * NV) {
-          float4* d = reinterpret_cast<float4*>(s + (i / NV) * kTileLanes + (i % NV) * V);
-#pragma unroll
-          for (int u = 0; u < V / 4; ++u) d[u] = make_float4(v[k][4 * u], v[k][4 * u + 1], v[k][4 * u + 2], v[k][4 * u + 3]);
-        }
-      }
+    constexpr int V = 16 / sizeof(T);
+    constexpr int NV = kTileLanes / V;  // vectors per pixel; blockDim.x is a multiple of it
+    const int q = threadIdx.x % NV, step = blockDim.x / NV;
+    const int c = c0 + q * V;
+    const bool c_ok = c < C;
+    // This thread's pixels p = threadIdx.x / NV + k * step, walked as (row, column) without a division per
+    // pixel.
+    const int p0 = threadIdx.x / NV, dr = step / cols, dc = step - dr * cols;
+    int r = p0 / cols, col = p0 - r * cols;
+    T* d = s + p0 * kTileLanes + q * V;
+    for (; r < rows; d += step * kTileLanes) {
+      const int h = h0 + r, w = w0 + col;
+      const bool ok = c_ok && h >= 0 && h < H && w >= 0 && w < W;
+      cp_async16(d, ok ? src + (int64_t(h) * W + w) * C + c : src, ok);
+      r += dr;
+      col += dc;
+      if (col >= cols) col -= cols, ++r;
     }
   } else {
-    for (int i = threadIdx.x; i < n * kTileLanes; i += blockDim.x) {
+    const int n = rows * cols * kTileLanes;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
       const int p = i / kTileLanes, q = i % kTileLanes;
       const int r = p / cols, h = h0 + r, w = w0 + p - r * cols, c = c0 + q;
-      s[i] = (h >= 0 && h < H && w >= 0 && w < W && c < C) ? to_float(src[(int64_t(h) * W + w) * C + c]) : 0.f;
+      s[i] = (h >= 0 && h < H && w >= 0 && w < W && c < C) ? src[(int64_t(h) * W + w) * C + c] : from_float<T>(0.f);
     }
   }
 }
@@ -91,23 +112,25 @@ __device__ __forceinline__ TileGeometry tile_geometry(int64_t tile, int tiles_h,
 }
 
 // The end of the weight-gradient CTAs: the warps' tap sums (and the bias sum, tap K * K) added in warp order
-// through shared memory (`red`, reusing the staging memory) into partial[blockIdx.x][tap][c].
+// (warp 0 first; deterministic) in shared memory (`red`: (KK + 1) * kTileLanes floats, reusing the staging
+// memory) and written to partial[blockIdx.x][tap][c].
 template <int KK>
 __device__ __forceinline__ void store_chunk_partials(float* red, const float (&acc)[KK], float accb,
                                                      float* __restrict__ partial, int C, int c0) {
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
   const int warps = blockDim.x / kTileLanes;
-  __syncthreads();  // every warp is done with the staged tiles
+  for (int w = 0; w < warps; ++w) {
+    __syncthreads();  // every warp is done with the staged tiles, then with the previous warp's sums
+    if (warp == w) {
 #pragma unroll
-  for (int t = 0; t < KK; ++t) red[(warp * (KK + 1) + t) * kTileLanes + lane] = acc[t];
-  red[(warp * (KK + 1) + KK) * kTileLanes + lane] = accb;
+      for (int t = 0; t < KK; ++t) red[t * kTileLanes + lane] = (w == 0 ? 0.f : red[t * kTileLanes + lane]) + acc[t];
+      red[KK * kTileLanes + lane] = (w == 0 ? 0.f : red[KK * kTileLanes + lane]) + accb;
+    }
+  }
   __syncthreads();
   for (int e = threadIdx.x; e < (KK + 1) * kTileLanes; e += blockDim.x) {
     const int tap = e / kTileLanes, l = e % kTileLanes;
-    if (c0 + l >= C) continue;
-    float sum = 0.f;
-    for (int w = 0; w < warps; ++w) sum += red[(w * (KK + 1) + tap) * kTileLanes + l];
-    partial[(int64_t(blockIdx.x) * (KK + 1) + tap) * C + c0 + l] = sum;
+    if (c0 + l < C) partial[(int64_t(blockIdx.x) * (KK + 1) + tap) * C + c0 + l] = red[e];
   }
 }
 
@@ -115,13 +138,13 @@ __device__ __forceinline__ void store_chunk_partials(float* red, const float (&a
 // (R + K - 1) x (CW + K - 1) window (top-left halo pixel at `sx`), calls f(v, r, c, tap) for every output
 // pixel (r, c) of the thread that v reaches through tap (ir - r) * K + (ic - c). Unrolled: r, c and tap are
 // constants in f.
-template <int K, int R, int CW, typename F>
-__device__ __forceinline__ void for_each_window_tap(const float* sx, int cols, F&& f) {
+template <int K, int R, int CW, typename T, typename F>
+__device__ __forceinline__ void for_each_window_tap(const T* sx, int cols, F&& f) {
 #pragma unroll
   for (int ir = 0; ir < R + K - 1; ++ir) {
 #pragma unroll
     for (int ic = 0; ic < CW + K - 1; ++ic) {
-      const float v = sx[(ir * cols + ic) * kTileLanes];
+      const float v = to_float(sx[(ir * cols + ic) * kTileLanes]);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int i = ir - r;
@@ -138,45 +161,68 @@ __device__ __forceinline__ void for_each_window_tap(const float* sx, int cols, F
 }
 
 // The convolution of one warp tile: acc[r][c] += sum over taps of x[r + i][c + j] * wr[i * K + j].
-template <int K, int R, int CW>
-__device__ __forceinline__ void convolve_tile(float (&acc)[R][CW], const float (&wr)[K * K], const float* sx,
-                                              int cols) {
+template <int K, int R, int CW, typename T>
+__device__ __forceinline__ void convolve_tile(float (&acc)[R][CW], const float (&wr)[K * K], const T* sx, int cols) {
   for_each_window_tap<K, R, CW>(sx, cols, [&](float v, int r, int c, int t) { acc[r][c] = fmaf(v, wr[t], acc[r][c]); });
 }
 
 // One warp tile's products added to the tap sums: acc[i * K + j] += g[r][c] * x[r + i][c + j].
-template <int K, int R, int CW>
-__device__ __forceinline__ void accumulate_taps(float (&acc)[K * K], const float (&gv)[R][CW], const float* sx,
-                                                int cols) {
+template <int K, int R, int CW, typename T>
+__device__ __forceinline__ void accumulate_taps(float (&acc)[K * K], const float (&gv)[R][CW], const T* sx, int cols) {
   for_each_window_tap<K, R, CW>(sx, cols, [&](float v, int r, int c, int t) { acc[t] = fmaf(gv[r][c], v, acc[t]); });
 }
+
+// Writes a warp tile's R x CW outputs of channel c (out[r][j] at pixel (h, w) = (hb + r, wb + j)) through
+// f(r, j, pointer): unguarded where the warp tile lies inside the image, else only the pixels inside it.
+template <int R, int CW, typename T, typename F>
+__device__ __forceinline__ void for_each_output(T* __restrict__ base, int hb, int wb, int H, int W, int C, F&& f) {
+  T* p = base + (int64_t(hb) * W + wb) * C;
+  const int64_t row = int64_t(W) * C;
+  if (hb + R <= H && wb + CW <= W) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < CW; ++j) f(r, j, p + r * row + j * C);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < CW; ++j)
+        if (hb + r < H && wb + j < W) f(r, j, p + r * row + j * C);
+  }
+}
+
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
 // Forward and input gradient: y = conv(x) (+ bias) (+ x, `add_input`, read from the staged tile) (then
 // SiLU); the input gradient is the convolution of grad_y with the flipped taps (`flip`), plus grad_y for
 // x + conv(x).
+// Four CTAs of 8 warps per SM (at most 64 registers) with 4 columns per thread, two with 8.
 template <typename T, int K, int CW>
-__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_forward_kernel(
+__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, CW == 4 ? 4 : 2) dwconv_tile_forward_kernel(
     const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, T* __restrict__ y,
-    int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, bool flip, bool add_input, bool silu,
+    int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, bool flip, bool add_input, bool silu_out,
     bool vec) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
-  extern __shared__ float smem[];
-  float* s_w = smem;                    // [lane][tap]: lane * KK + tap, KK odd: no bank conflicts
-  float* s_x = smem + kTileLanes * KK;  // [pixel][lane]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* s_w = reinterpret_cast<float*>(smem_raw);                       // [lane][tap]: KK odd, no bank conflicts
+  T* s_x = reinterpret_cast<T*>(smem_raw + kTileLanes * KK * sizeof(float));  // [pixel][lane]
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
   const int c0 = blockIdx.y * kTileLanes, c = c0 + lane;
   const TileGeometry g = tile_geometry(blockIdx.x, tiles_h, tiles_w, sub_h, sub_w, R, CW);
   const int cols = g.tw + K - 1;
 
-  stage_taps<KK>(s_w, weight, c0, C, flip);
   const int64_t img = int64_t(g.b) * H * W * C;
   stage_tile<T>(s_x, x + img, g.h0 - P, g.w0 - P, g.th + K - 1, cols, H, W, C, c0, vec);
+  cp_async_commit();
+  stage_taps<KK>(s_w, weight, c0, C, flip);
+  const float bv = (bias != nullptr && c < C) ? bias[c] : 0.f;
+  cp_async_wait<0>();
   __syncthreads();
 
   float wr[KK];
 #pragma unroll
   for (int t = 0; t < KK; ++t) wr[t] = s_w[lane * KK + t];
-  const float bv = (bias != nullptr && c < C) ? bias[c] : 0.f;
   float acc[R][CW];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -184,22 +230,36 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_forwar
     for (int j = 0; j < CW; ++j) acc[r][j] = bv;
 
   const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;  // the warp tile in the CTA tile
-  const float* sx = s_x + (sr * cols + sc) * kTileLanes + lane;
+  const T* sx = s_x + (sr * cols + sc) * kTileLanes + lane;
   convolve_tile<K, R, CW>(acc, wr, sx, cols);
   if (c >= C) return;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int h = g.h0 + sr + r;
-    if (h >= H) break;
-#pragma unroll
-    for (int j = 0; j < CW; ++j) {
-      const int w = g.w0 + sc + j;
-      if (w >= W) break;
-      float v = acc[r][j];
-      if (add_input) v += sx[((r + P) * cols + j + P) * kTileLanes];
-      if (silu) v = v / (1.f + __expf(-v));
-      y[img + (int64_t(h) * W + w) * C + c] = from_float<T>(v);
+  for_each_output<R, CW>(y + img + c, g.h0 + sr, g.w0 + sc, H, W, C, [&](int r, int j, T* out) {
+    float v = acc[r][j];
+    if (add_input) v += to_float(sx[((r + P) * cols + j + P) * kTileLanes]);
+    *out = from_float<T>(silu_out ? silu(v) : v);
+  });
+}
+
+// The chunk of tiles [t_begin, t_end) of a weight-gradient CTA, with two staging buffers: stage(t, buffer)
+// starts the copies of tile t; compute(t, buffer) runs once they are complete. The copies of tile t + 1 are
+// in flight while tile t is computed.
+template <typename Stage, typename Compute>
+__device__ __forceinline__ void pipeline_chunk(int64_t t_begin, int64_t t_end, Stage&& stage, Compute&& compute) {
+  if (t_begin >= t_end) return;
+  stage(t_begin, 0);
+  cp_async_commit();
+  int buf = 0;
+  for (int64_t t = t_begin; t < t_end; ++t, buf ^= 1) {
+    if (t + 1 < t_end) {
+      stage(t + 1, buf ^ 1);  // that buffer's last reads (tile t - 1) ended at the barrier below
+      cp_async_commit();
+      cp_async_wait<1>();     // tile t's copies are done, tile t + 1's may still run
+    } else {
+      cp_async_wait<0>();
     }
+    __syncthreads();  // every thread's copies (and element stores) of tile t are visible
+    compute(t, buf);
+    __syncthreads();  // tile t's buffer is free for tile t + 2
   }
 }
 
@@ -211,12 +271,15 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_wgrad_
     const T* __restrict__ gy, const T* __restrict__ x, float* __restrict__ partial, int H, int W, int C,
     int tiles_h, int tiles_w, int sub_h, int sub_w, int64_t tiles, int64_t tiles_per_chunk, bool vec) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
   const int c0 = blockIdx.y * kTileLanes;
   const int th = sub_h * R, tw = sub_w * CW, cols = tw + K - 1;
-  float* s_x = smem;                                  // [(th + K - 1) * cols][lane]
-  float* s_g = smem + (th + K - 1) * cols * kTileLanes;  // [th * tw][lane]
+  const int x_elems = (th + K - 1) * cols * kTileLanes, g_elems = th * tw * kTileLanes;
+  // Two buffers of [x with its halo: (th + K - 1) * cols pixels][lane], then [grad_y: th * tw pixels][lane]
+  // (offsets from smem_raw, not a pointer array: the loads stay shared-memory loads).
+  T* const s_buf = reinterpret_cast<T*>(smem_raw);
+  const int buf_elems = x_elems + g_elems;
   const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;
 
   float acc[KK];
@@ -226,25 +289,30 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_wgrad_
 
   const int64_t t_begin = int64_t(blockIdx.x) * tiles_per_chunk;
   const int64_t t_end = t_begin + tiles_per_chunk < tiles ? t_begin + tiles_per_chunk : tiles;
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
-    const int64_t img = int64_t(g.b) * H * W * C;
-    __syncthreads();  // the previous tile's reads are done
-    stage_tile<T>(s_x, x + img, g.h0 - P, g.w0 - P, th + K - 1, cols, H, W, C, c0, vec);
-    stage_tile<T>(s_g, gy + img, g.h0, g.w0, th, tw, H, W, C, c0, vec);
-    __syncthreads();
-    float gv[R][CW];
+  pipeline_chunk(
+      t_begin, t_end,
+      [&](int64_t t, int b) {
+        const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
+        const int64_t img = int64_t(g.b) * H * W * C;
+        T* const sx = s_buf + b * buf_elems;
+        stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, th + K - 1, cols, H, W, C, c0, vec);
+        stage_tile<T>(sx + x_elems, gy + img, g.h0, g.w0, th, tw, H, W, C, c0, vec);
+      },
+      [&](int64_t, int b) {
+        const T* const sx = s_buf + b * buf_elems;
+        const T* const sg = sx + x_elems + (sr * tw + sc) * kTileLanes + lane;
+        float gv[R][CW];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int j = 0; j < CW; ++j) {
-        gv[r][j] = s_g[((sr + r) * tw + sc + j) * kTileLanes + lane];
-        accb += gv[r][j];
-      }
-    accumulate_taps<K, R, CW>(acc, gv, s_x + (sr * cols + sc) * kTileLanes + lane, cols);
-  }
+          for (int j = 0; j < CW; ++j) {
+            gv[r][j] = to_float(sg[(r * tw + j) * kTileLanes]);
+            accb += gv[r][j];
+          }
+        accumulate_taps<K, R, CW>(acc, gv, sx + (sr * cols + sc) * kTileLanes + lane, cols);
+      });
 
-  store_chunk_partials<KK>(smem, acc, accb, partial, C, c0);
+  store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw), acc, accb, partial, C, c0);
 }
 
 // The whole backward in one pass: the weight and bias gradients as dwconv_tile_wgrad_kernel, and each tile's
@@ -256,21 +324,24 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
     float* __restrict__ partial, int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, int64_t tiles,
     int64_t tiles_per_chunk, bool add_input, bool vec) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
   const int c0 = blockIdx.y * kTileLanes, c = c0 + lane;
   const int th = sub_h * R, tw = sub_w * CW, rows = th + K - 1, cols = tw + K - 1;
-  float* s_x = smem;                           // [rows * cols][lane]: x with its halo
-  float* s_g = s_x + rows * cols * kTileLanes;  // [rows * cols][lane]: grad_y with its halo
+  const int elems = rows * cols * kTileLanes;  // one staged tensor with its halo
+  float* s_w = reinterpret_cast<float*>(smem_raw);  // [lane][tap], flipped
+  // Two buffers of [x with its halo][lane], then [grad_y with its halo][lane], after the taps (offsets, not a
+  // pointer array: the loads stay shared-memory loads).
+  T* const s_buf = reinterpret_cast<T*>(smem_raw + kTileLanes * KK * sizeof(float));
   const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;
   const int s_off = (sr * cols + sc) * kTileLanes + lane;
 
   // The flipped taps of this thread's channel, through shared memory (coalesced reads of the weight).
-  float wr[KK];
-  stage_taps<KK>(s_g, weight, c0, C, true);
+  stage_taps<KK>(s_w, weight, c0, C, true);
   __syncthreads();
+  float wr[KK];
 #pragma unroll
-  for (int t = 0; t < KK; ++t) wr[t] = s_g[lane * KK + t];
+  for (int t = 0; t < KK; ++t) wr[t] = s_w[lane * KK + t];
 
   float acc_w[KK];
 #pragma unroll
@@ -279,48 +350,45 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
 
   const int64_t t_begin = int64_t(blockIdx.x) * tiles_per_chunk;
   const int64_t t_end = t_begin + tiles_per_chunk < tiles ? t_begin + tiles_per_chunk : tiles;
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
-    const int64_t img = int64_t(g.b) * H * W * C;
-    __syncthreads();  // the previous tile's (or the taps') reads are done
-    stage_tile<T>(s_x, x + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
-    stage_tile<T>(s_g, gy + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
-    __syncthreads();
-    {
-      float acc[R][CW];
+  pipeline_chunk(
+      t_begin, t_end,
+      [&](int64_t t, int b) {
+        const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
+        const int64_t img = int64_t(g.b) * H * W * C;
+        T* const sx = s_buf + b * 2 * elems;
+        stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
+        stage_tile<T>(sx + elems, gy + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
+      },
+      [&](int64_t t, int b) {
+        const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
+        const T* const sx = s_buf + b * 2 * elems + s_off;
+        const T* const sg = sx + elems;
+        float acc[R][CW];
 #pragma unroll
-      for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int j = 0; j < CW; ++j) acc[r][j] = 0.f;
-      convolve_tile<K, R, CW>(acc, wr, s_g + s_off, cols);
-      if (c < C) {
+          for (int j = 0; j < CW; ++j) acc[r][j] = 0.f;
+        convolve_tile<K, R, CW>(acc, wr, sg, cols);
+        if (c < C) {
+          for_each_output<R, CW>(gx + int64_t(g.b) * H * W * C + c, g.h0 + sr, g.w0 + sc, H, W, C,
+                                 [&](int r, int j, T* out) {
+                                   float v = acc[r][j];
+                                   if (add_input) v += to_float(sg[((r + P) * cols + j + P) * kTileLanes]);
+                                   *out = from_float<T>(v);
+                                 });
+        }
+        float gv[R][CW];  // grad_y at the warp tile's own pixels (zero outside the image)
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int h = g.h0 + sr + r;
-          if (h >= H) break;
+        for (int r = 0; r < R; ++r)
 #pragma unroll
           for (int j = 0; j < CW; ++j) {
-            const int w = g.w0 + sc + j;
-            if (w >= W) break;
-            float v = acc[r][j];
-            if (add_input) v += s_g[s_off + ((r + P) * cols + j + P) * kTileLanes];
-            gx[img + (int64_t(h) * W + w) * C + c] = from_float<T>(v);
+            gv[r][j] = to_float(sg[((r + P) * cols + j + P) * kTileLanes]);
+            accb += gv[r][j];
           }
-        }
-      }
-    }
-    float gv[R][CW];  // grad_y at the warp tile's own pixels (zero outside the image)
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < CW; ++j) {
-        gv[r][j] = s_g[s_off + ((r + P) * cols + j + P) * kTileLanes];
-        accb += gv[r][j];
-      }
-    accumulate_taps<K, R, CW>(acc_w, gv, s_x + s_off, cols);
-  }
+        accumulate_taps<K, R, CW>(acc_w, gv, sx, cols);
+      });
 
-  store_chunk_partials<KK>(smem, acc_w, accb, partial, C, c0);
+  store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw), acc_w, accb, partial, C, c0);
 }
 
 // The chunks' partial sums in chunk order: grad_w (C, K*K) and grad_b (C,).
@@ -355,7 +423,7 @@ bool tile_vec_ok(int C, ScalarType dtype) { return C % (16 / element_size(dtype)
 
 template <typename T, int K, int CW>
 void launch_tile_forward(const DwConvForwardParams& p) {
-  const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW);
+  const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW, int(sizeof(T)), dwconv_tile_smem_limit());
   auto kernel = dwconv_tile_forward_kernel<T, K, CW>;
   allow_smem<TileKernelTag<T, K, CW, 0>>(kernel, q.smem_forward);
   const dim3 grid(unsigned(q.tiles), unsigned(q.channel_blocks));
@@ -410,7 +478,7 @@ struct TileForwardLauncher {
 template <typename T, int K, int CW>
 struct TileWgradLauncher {
   static void run(const DwConvWgradParams& p) {
-    const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW);
+    const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW, int(sizeof(T)), dwconv_tile_smem_limit());
     if (p.grad_x != nullptr) {
       launch_tile_backward<T, K, CW>(p, q);
     } else {
@@ -423,7 +491,14 @@ struct TileWgradLauncher {
 
 }  // namespace
 
-DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols) {
+int dwconv_tile_smem_limit() {
+  int dev = 0, optin = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return optin > 0 ? std::min(kTileSmemBudget, optin) : kTileSmemBudget;
+}
+
+DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int elem_bytes, int smem_limit) {
   DwTilePlan q;
   q.cols = cols;
   const int nh = (H + q.rows - 1) / q.rows, nw = (W + cols - 1) / cols;  // warp tiles to cover the image
@@ -437,18 +512,23 @@ DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols) {
     }
     return best;
   };
-  q.sub_w = pick(nw, kTileMaxWarps);
-  q.sub_h = pick(nh, std::max(1, kTileMaxWarps / q.sub_w));
+  const int taps = K * K * kTileLanes * int(sizeof(float));
+  const int reduced = (K * K + 1) * kTileLanes * int(sizeof(float));
+  // The most warps per CTA (8, else 4, 2, 1) whose three kernels fit in `smem_limit`.
+  for (int warps = kTileMaxWarps;; warps /= 2) {
+    q.sub_w = pick(nw, warps);
+    q.sub_h = pick(nh, std::max(1, warps / q.sub_w));
+    const int th = q.sub_h * q.rows, tw = q.sub_w * cols;
+    const int halo = (th + K - 1) * (tw + K - 1) * kTileLanes * elem_bytes;  // bytes of one staged tile
+    q.smem_forward = taps + halo;
+    q.smem_wgrad = std::max(2 * (halo + th * tw * kTileLanes * elem_bytes), reduced);  // two buffers of x, grad_y
+    q.smem_backward = std::max(taps + 4 * halo, reduced);
+    if (warps == 1 || std::max({q.smem_forward, q.smem_wgrad, q.smem_backward}) <= smem_limit) break;
+  }
   q.tiles_w = (nw + q.sub_w - 1) / q.sub_w;
   q.tiles_h = (nh + q.sub_h - 1) / q.sub_h;
   q.tiles = int64_t(B) * q.tiles_h * q.tiles_w;
   q.channel_blocks = (C + kTileLanes - 1) / kTileLanes;
-  const int th = q.sub_h * q.rows, tw = q.sub_w * cols;
-  const int halo = (th + K - 1) * (tw + K - 1);
-  q.smem_forward = (K * K + halo) * kTileLanes * int(sizeof(float));
-  const int staged = (halo + th * tw) * kTileLanes, reduced = q.sub_h * q.sub_w * (K * K + 1) * kTileLanes;
-  q.smem_wgrad = std::max(staged, reduced) * int(sizeof(float));
-  q.smem_backward = std::max(2 * halo * kTileLanes, reduced) * int(sizeof(float));
   const int64_t target = std::max(1, kTileWgradCtas / q.channel_blocks);
   q.tiles_per_chunk = std::max<int64_t>(1, (q.tiles + target - 1) / target);
   q.chunks = int((q.tiles + q.tiles_per_chunk - 1) / q.tiles_per_chunk);
