@@ -1,7 +1,7 @@
 """Depthwise convolution: gspn2's CUDA kernel against cuDNN, on the GSPN-2 models' shapes.
 
     python scripts/bench_dwconv.py                       # gspn2_tiny's shapes, bf16, channels_last
-    python scripts/bench_dwconv.py --batch 256 --variants t4v8 t4v4 --json docs/bench/bench_dwconv.json
+    python scripts/bench_dwconv.py --variants t0v4 t1v4 t4v8 --json runs/bench_dwconv.json
 
 For each (channels, resolution, kernel) of ``--model`` (the two 3x3 local perception units on C channels
 and the mixer's 7x7 on its hidden width, per stage at 224^2 input): forward (``x + conv(x)`` for the 3x3,
