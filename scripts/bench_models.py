@@ -56,8 +56,9 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-#: ``--modes`` other than eager -> the ``torch.compile`` mode ("compile-ro": CUDA graphs on top of Inductor).
-COMPILE_MODES = {"compile": "default", "compile-ro": "reduce-overhead"}
+#: ``--modes`` other than eager -> the ``torch.compile`` mode ("compile-ro": CUDA graphs on top of Inductor;
+#: "compile-ma": also Inductor's autotuned GEMM templates, which can take the pointwise ops around a GEMM).
+COMPILE_MODES = {"compile": "default", "compile-ro": "reduce-overhead", "compile-ma": "max-autotune"}
 
 
 def _wrap(model: torch.nn.Module, mode: str):
@@ -264,7 +265,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     parser.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", *COMPILE_MODES],
-                        help="eager, compile (torch.compile default mode), compile-ro (mode='reduce-overhead')")
+                        help="eager, compile (torch.compile default mode), compile-ro (mode='reduce-overhead'), "
+                             "compile-ma (mode='max-autotune': long compiles)")
     parser.add_argument("--train-resolutions", nargs="*", type=int, default=[224])
     parser.add_argument("--infer-resolutions", nargs="*", type=int, default=[224, 512, 1024])
     parser.add_argument("--train-batch", type=int, default=128)

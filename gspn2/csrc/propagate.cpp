@@ -519,6 +519,35 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   return d;
 }
 
+// The depthwise tile kernels' plan (dwconv.h), for Python: no GPU needed (smem_limit < 1: kTileSmemBudget).
+py::dict dwconv_plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::string& dtype, int64_t cols,
+                     int64_t smem_limit) {
+  GSPN2_CHECK(dtype == "float32" || dtype == "float16" || dtype == "bfloat16",
+              "`dtype` must be 'float32', 'float16' or 'bfloat16', got '", dtype, "'");
+  GSPN2_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1, "B, C, H, W must be >= 1, got ", B, ", ", C, ", ", H, ", ", W);
+  GSPN2_CHECK(dwconv_kernel_size_supported(int(K)), "`K` must be 3, 5 or 7, got ", K);
+  GSPN2_CHECK(cols == 4 || cols == 8, "`cols` must be 4 or 8, got ", cols);
+  const int limit = smem_limit >= 1 ? int(smem_limit) : kTileSmemBudget;
+  const DwTilePlan q = dwconv_tile_plan(int(B), int(H), int(W), int(C), int(K), int(cols), dtype == "float32" ? 4 : 2,
+                                        limit);
+  py::dict d;
+  d["rows"] = q.rows;
+  d["cols"] = q.cols;
+  d["sub_h"] = q.sub_h;
+  d["sub_w"] = q.sub_w;
+  d["tiles_h"] = q.tiles_h;
+  d["tiles_w"] = q.tiles_w;
+  d["tiles"] = q.tiles;
+  d["channel_blocks"] = q.channel_blocks;
+  d["chunks"] = q.chunks;
+  d["tiles_per_chunk"] = q.tiles_per_chunk;
+  d["smem_forward"] = q.smem_forward;
+  d["smem_wgrad"] = q.smem_wgrad;
+  d["smem_backward"] = q.smem_backward;
+  d["smem_limit"] = limit;
+  return d;
+}
+
 // The kernels' limits and the planner's thresholds, for Python (never copied there).
 py::dict limits() {
   py::dict d;
@@ -554,4 +583,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("backward") = false, py::arg("kernel") = "auto",
         py::arg("cluster_ctas") = 0);
   m.def("limits", &gspn2::limits, "The kernels' limits and planning thresholds (dict)");
+  m.def("dwconv_plan", &gspn2::dwconv_plan, "The depthwise tile kernels' plan (dict)", py::arg("B"), py::arg("C"),
+        py::arg("H"), py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("cols") = 4, py::arg("smem_limit") = 0);
 }

@@ -19,7 +19,7 @@ import torch
 
 from gspn2.ops import options as _options
 
-__all__ = ["BUILD_HINT", "describe", "extension_available", "extension_error", "limits", "plan", "require_extension"]
+__all__ = ["BUILD_HINT", "describe", "dwconv_plan", "extension_available", "extension_error", "limits", "plan", "require_extension"]
 
 log = logging.getLogger("gspn2.ops")
 
@@ -80,6 +80,16 @@ def plan(B, C, H, W, K, dtype="float32", backward=False, kernel=None, cluster_ct
             opts.cluster_ctas if cluster_ctas is None else cluster_ctas,
         )
     )
+
+
+def dwconv_plan(B, C, H, W, K, dtype="bfloat16", cols=4, smem_limit=0) -> dict:
+    """The depthwise tile kernels' plan (gspn2/csrc/dwconv.h): warp tiles per CTA (``sub_h`` x ``sub_w``, each
+    ``rows`` x ``cols`` outputs), CTA tiles, the weight gradient's ``chunks`` of ``tiles_per_chunk`` tiles and
+    the shared memory of the forward, weight-gradient and one-pass kernels (bytes). ``smem_limit`` < 1: the
+    96 KB budget the kernels plan within (a GPU with less lowers it). Needs no GPU.
+    """
+    require_extension()
+    return dict(_C.dwconv_plan(B, C, H, W, K, dtype, cols, smem_limit))
 
 
 def describe() -> str:

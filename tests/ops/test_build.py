@@ -146,3 +146,34 @@ def test_cpu_tensors_run_the_reference():
     options.set_options(backend="reference", kernel="general")  # neither is consulted on CPU
     x, lam, gates = torch.randn(1, 2, 3, 4), torch.randn(1, 4, 2, 3, 4), torch.randn(1, 4, 3, 1, 3, 4)
     torch.testing.assert_close(gspn_propagate(x, lam, gates), gspn_propagate_ref(x, lam, gates))
+
+
+@pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
+@pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
+def test_dwconv_tile_plan():
+    """The depthwise tile kernels' plan (no GPU needed): warp tiles that cover the image, chunks that cover
+    the tiles, every kernel's shared memory within the budget, fewer warps where 8 would not fit."""
+    # gspn2_tiny's mixer at 56^2, bf16: 7 warp tiles of 4 x 4 across (4 x 28 outputs per CTA).
+    q = _cuda.dwconv_plan(128, 120, 56, 56, 7, "bfloat16")
+    assert (q["sub_h"], q["sub_w"], q["tiles_h"], q["tiles_w"], q["channel_blocks"]) == (1, 7, 14, 2, 4)
+    assert q["smem_forward"] == 7 * 7 * 32 * 4 + (4 + 6) * (28 + 6) * 32 * 2  # taps (fp32) + halo tile (bf16)
+    for args in [(128, 120, 56, 56, 7, "bfloat16"), (41, 1024, 7, 7, 7, "float32"), (3, 17, 9, 33, 5, "float16"),
+                 (2, 64, 224, 3, 3, "float32"), (1, 8, 1, 1, 7, "bfloat16")]:
+        for cols in (4, 8):
+            q = _cuda.dwconv_plan(*args, cols=cols)
+            B, C, H, W = args[:4]
+            assert q["tiles_h"] * q["sub_h"] * q["rows"] >= H and q["tiles_w"] * q["sub_w"] * cols >= W, (args, q)
+            assert q["tiles"] == B * q["tiles_h"] * q["tiles_w"] and q["channel_blocks"] * 32 >= C
+            assert (q["chunks"] - 1) * q["tiles_per_chunk"] < q["tiles"] <= q["chunks"] * q["tiles_per_chunk"]
+            assert max(q["smem_forward"], q["smem_wgrad"], q["smem_backward"]) <= q["smem_limit"] == 96 * 1024
+    # float32 7x7 on 7^2: 4 warps would need 107 KB in the one-pass backward, so the plan takes 2.
+    q = _cuda.dwconv_plan(41, 1024, 7, 7, 7, "float32")
+    assert q["sub_h"] * q["sub_w"] == 2 and q["tiles_per_chunk"] == 3
+    # A smaller GPU's limit shrinks the CTA tile further.
+    assert _cuda.dwconv_plan(41, 1024, 7, 7, 7, "float32", smem_limit=48 * 1024)["sub_h"] == 1
+    with pytest.raises(ValueError, match="`K` must be 3, 5 or 7"):
+        _cuda.dwconv_plan(1, 8, 8, 8, 9)
+    with pytest.raises(ValueError, match="`cols` must be 4 or 8"):
+        _cuda.dwconv_plan(1, 8, 8, 8, 3, cols=6)
+    with pytest.raises(ValueError, match="`dtype` must be"):
+        _cuda.dwconv_plan(1, 8, 8, 8, 3, "float64")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import gspn2  # noqa: F401
 from gspn2.ops import depthwise_conv2d, options
+from gspn2.ops import _cuda
 from gspn2.ops import dwconv as D
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -205,6 +206,29 @@ def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4 * r.abs().max().item(), msg=name)
     assert out[0].is_contiguous(memory_format=torch.channels_last)
     assert out[1].is_contiguous(memory_format=torch.channels_last)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
+@pytest.mark.parametrize("shape", [(41, 1024, 7, 7, 3, True), (41, 1024, 7, 7, 7, False)])
+def test_cuda_weight_gradient_over_multi_tile_chunks(shape, variant):
+    """The tile kernels' backward CTAs loop over several tiles, double-buffered, with a shorter last chunk."""
+    N, C, H, W, K, add = shape
+    q = _cuda.dwconv_plan(N, C, H, W, K, "float32", cols=int(variant[3]))
+    assert q["tiles_per_chunk"] > 1 and q["tiles"] % q["tiles_per_chunk"] != 0, q  # the case this test is for
+    _set_variant(variant)
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        x, w, b = _cuda_case(N, C, H, W, K, torch.float32)
+        gy = torch.randn_like(x)
+        ref = _grads("cudnn", x, w, b, add, gy)
+        out = _grads("cuda", x, w, b, add, gy)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    for name, o, r in zip(("y", "grad_x", "grad_w", "grad_b"), out, ref):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4 * r.abs().max().item(), msg=name)
 
 
 @cuda
