@@ -1,7 +1,7 @@
-// Host side of the depthwise convolution kernels (dwconv_kernel.cu): checks, layouts, allocation, and the
-// registration of the CUDA implementations of gspn2::depthwise_conv2d and gspn2::depthwise_conv2d_backward
-// (schemas: gspn2/ops/dwconv.py) with their autograd formula for CUDA tensors. The tile and vector width
-// arrive as op arguments.
+// Host side of the depthwise convolution kernels (dwconv_tile.cu, dwconv_kernel.cu): checks, layouts,
+// allocation, and the registration of the CUDA implementations of gspn2::depthwise_conv2d and
+// gspn2::depthwise_conv2d_backward (schemas: gspn2/ops/dwconv.py) with their autograd formula for CUDA
+// tensors. The kernel family and variant arrive as op arguments (`tile`, `vec`).
 #include <torch/extension.h>
 #include <torch/library.h>
 

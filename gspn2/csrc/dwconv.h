@@ -1,5 +1,6 @@
-// Depthwise convolution on channels-last (NHWC) memory: the kernels of dwconv_kernel.cu and the host code of
-// dwconv.cpp share these plain structs (no torch headers, so the .cu file compiles without them).
+// Depthwise convolution on channels-last (NHWC) memory: the kernels of dwconv_tile.cu and dwconv_kernel.cu
+// and the host code of dwconv.cpp share these plain structs (no torch headers, so the .cu files compile
+// without them).
 //
 //   y[b, h, w, c] = bias[c] + sum_{i, j < K} x[b, h + i - K/2, w + j - K/2, c] * tap[i * K + j][c]
 //                   (+ residual[b, h, w, c]) (then SiLU, if asked)

@@ -255,7 +255,7 @@ def variant(kernel_size: int) -> tuple[int, int]:
     o = _options.current()
     family = o.dwconv_kernel
     if family == "auto":
-        family = AUTO_FAMILY.get(kernel_size, "row")
+        family = AUTO_FAMILY.get(kernel_size, "tile")
     if family == "row":
         return o.dwconv_tile, o.dwconv_vec
     return (1 if family == "fused" else 0), o.dwconv_tile_cols
