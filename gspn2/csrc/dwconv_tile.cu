@@ -492,10 +492,19 @@ struct TileWgradLauncher {
 }  // namespace
 
 int dwconv_tile_smem_limit() {
-  int dev = 0, optin = 0;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> limits[kMaxDevices] = {};  // 0: not asked yet
+  int dev = 0;
   cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  return optin > 0 ? std::min(kTileSmemBudget, optin) : kTileSmemBudget;
+  if (dev < 0 || dev >= kMaxDevices) return kTileSmemBudget;
+  int limit = limits[dev].load(std::memory_order_relaxed);
+  if (limit == 0) {
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    limit = optin > 0 ? std::min(kTileSmemBudget, optin) : kTileSmemBudget;
+    limits[dev].store(limit, std::memory_order_relaxed);
+  }
+  return limit;
 }
 
 DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int elem_bytes, int smem_limit) {
