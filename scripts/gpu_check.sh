@@ -36,6 +36,8 @@
 #   MODELS         models for bench-models (default: gspn2_tiny swin_tiny_patch4_window7_224 convnext_tiny)
 #   BENCH_ARGS     extra arguments of bench_models.py (default: --modes eager)
 #   QUICK=1        shorter runs: bench_op.py --quick, fewer DDP steps
+#   SANITIZE_GROUPS  groups of scripts/sanitize_cases.py for the sanitize stage (default: op cluster dwconv;
+#                  cluster only on sm_90)
 #   TIMEOUT        limit per stage in seconds (default 900; 0: none)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +68,12 @@ if [[ -n ${TIMEOUT:-} && ! ${TIMEOUT} =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: TIMEOUT must be a whole number of seconds, got '$TIMEOUT'" >&2
   exit 2
 fi
+for group in ${SANITIZE_GROUPS:-}; do
+  if [[ $group != op && $group != cluster && $group != dwconv ]]; then
+    echo "gpu_check.sh: SANITIZE_GROUPS takes op, cluster and dwconv, got '$group'" >&2
+    exit 2
+  fi
+done
 if [[ -n ${QUICK:-} && ${QUICK} != 0 && ${QUICK} != 1 ]]; then
   echo "gpu_check.sh: QUICK must be 0 or 1, got '$QUICK'" >&2
   exit 2
@@ -155,8 +163,14 @@ stage_test() {
 
 stage_sanitize() {
   if ! command -v compute-sanitizer >/dev/null; then skip_stage sanitize "compute-sanitizer not found"; return; fi
-  local groups=(op dwconv)
-  if [[ ${CAP%%.*} -ge 9 ]]; then groups=(op cluster dwconv); else skip_stage "sanitize cluster" "needs sm_90, GPU is sm_${CAP/./}"; fi
+  local groups=()
+  for group in ${SANITIZE_GROUPS:-op cluster dwconv}; do
+    if [[ $group == cluster && ${CAP%%.*} -lt 9 ]]; then
+      skip_stage "sanitize cluster" "needs sm_90, GPU is sm_${CAP/./}"
+    else
+      groups+=("$group")
+    fi
+  done
   for group in "${groups[@]}"; do
     for tool in memcheck racecheck; do
       run_stage "sanitize $group $tool" "sanitizer_${group}_$tool.log" compute-sanitizer --tool "$tool" \

@@ -35,6 +35,8 @@ def test_unknown_stage_and_bad_settings_are_refused_before_anything_is_written(t
     assert result.returncode == 2 and "TIMEOUT must be a whole number" in result.stderr
     result = _run("test", tmp_path=tmp_path, QUICK="yes")
     assert result.returncode == 2 and "QUICK must be 0 or 1" in result.stderr
+    result = _run("sanitize", tmp_path=tmp_path, SANITIZE_GROUPS="dwconv ops")
+    assert result.returncode == 2 and "SANITIZE_GROUPS takes op, cluster and dwconv, got 'ops'" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -89,3 +91,17 @@ def test_a_failed_build_skips_the_stages_that_need_it_and_fails_the_run(tmp_path
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| build | FAILED (rc=1) |" in summary and "| test | skipped: the build failed |" in summary
     assert "-m pytest" not in (tmp_path / "calls.log").read_text()
+
+
+def test_sanitize_runs_the_groups_asked_for_under_both_tools(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sanitizer = bin_dir / "compute-sanitizer"
+    sanitizer.write_text('#!/usr/bin/env bash\necho "compute-sanitizer $*" >> "$FAKE_LOG"\n')
+    sanitizer.chmod(0o755)
+    env = {**_fake(tmp_path), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SANITIZE_GROUPS": "dwconv"}
+    result = _run("sanitize", tmp_path=tmp_path, **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("compute-sanitizer")]
+    assert [(c.split("--tool ")[1].split()[0], c.split()[-1]) for c in calls] == [
+        ("memcheck", "dwconv"), ("racecheck", "dwconv")]
