@@ -240,11 +240,15 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, CW == 4 ? 4 : 2) d
   });
 }
 
-// The chunk of tiles [t_begin, t_end) of a weight-gradient CTA, with two staging buffers: stage(t, buffer)
-// starts the copies of tile t; compute(t, buffer) runs once they are complete. The copies of tile t + 1 are
-// in flight while tile t is computed.
+// The chunk of a weight-gradient or one-pass backward CTA (tiles_per_chunk tiles from
+// blockIdx.x * tiles_per_chunk on, fewer in the last chunk) with two staging buffers: stage(t, buffer) starts
+// the copies of tile t; compute(t, buffer) runs once they are complete. The copies of tile t + 1 are in
+// flight while tile t is computed.
 template <typename Stage, typename Compute>
-__device__ __forceinline__ void pipeline_chunk(int64_t t_begin, int64_t t_end, Stage&& stage, Compute&& compute) {
+__device__ __forceinline__ void pipeline_chunk(int64_t tiles, int64_t tiles_per_chunk, Stage&& stage,
+                                               Compute&& compute) {
+  const int64_t t_begin = int64_t(blockIdx.x) * tiles_per_chunk;
+  const int64_t t_end = t_begin + tiles_per_chunk < tiles ? t_begin + tiles_per_chunk : tiles;
   if (t_begin >= t_end) return;
   stage(t_begin, 0);
   cp_async_commit();
@@ -287,10 +291,8 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_wgrad_
   for (int t = 0; t < KK; ++t) acc[t] = 0.f;
   float accb = 0.f;
 
-  const int64_t t_begin = int64_t(blockIdx.x) * tiles_per_chunk;
-  const int64_t t_end = t_begin + tiles_per_chunk < tiles ? t_begin + tiles_per_chunk : tiles;
   pipeline_chunk(
-      t_begin, t_end,
+      tiles, tiles_per_chunk,
       [&](int64_t t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
         const int64_t img = int64_t(g.b) * H * W * C;
@@ -348,10 +350,8 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
   for (int t = 0; t < KK; ++t) acc_w[t] = 0.f;
   float accb = 0.f;
 
-  const int64_t t_begin = int64_t(blockIdx.x) * tiles_per_chunk;
-  const int64_t t_end = t_begin + tiles_per_chunk < tiles ? t_begin + tiles_per_chunk : tiles;
   pipeline_chunk(
-      t_begin, t_end,
+      tiles, tiles_per_chunk,
       [&](int64_t t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
         const int64_t img = int64_t(g.b) * H * W * C;

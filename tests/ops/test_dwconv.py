@@ -185,14 +185,8 @@ def test_cuda_extension_has_the_kernel():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gspn2::{op}", key), (op, key)
 
 
-@cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t8v8", "t8v4", "t0v4", "t0v8", "t1v4", "t1v8"])
-@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
-                                   (2, 17, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 6, 3, 1, 7, False)])
-def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
-    N, C, H, W, K, add = shape
-    _set_variant(variant)
+def _assert_matches_cudnn_fp32(N, C, H, W, K, add):
+    """Output and gradients of the current kernel variant against cuDNN (TF32 off), float32; returns ours."""
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
@@ -204,6 +198,17 @@ def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
         torch.backends.cudnn.allow_tf32 = saved
     for name, o, r in zip(("y", "grad_x", "grad_w", "grad_b"), out, ref):
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4 * r.abs().max().item(), msg=name)
+    return out
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t8v8", "t8v4", "t0v4", "t0v8", "t1v4", "t1v8"])
+@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
+                                   (2, 17, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 6, 3, 1, 7, False)])
+def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
+    _set_variant(variant)
+    out = _assert_matches_cudnn_fp32(*shape)
     assert out[0].is_contiguous(memory_format=torch.channels_last)
     assert out[1].is_contiguous(memory_format=torch.channels_last)
 
@@ -218,17 +223,7 @@ def test_cuda_weight_gradient_over_multi_tile_chunks(shape, variant):
     q = _cuda.dwconv_plan(N, C, H, W, K, "float32", cols=int(variant[3]))
     assert q["tiles_per_chunk"] > 1 and q["tiles"] % q["tiles_per_chunk"] != 0, q  # the case this test is for
     _set_variant(variant)
-    saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        x, w, b = _cuda_case(N, C, H, W, K, torch.float32)
-        gy = torch.randn_like(x)
-        ref = _grads("cudnn", x, w, b, add, gy)
-        out = _grads("cuda", x, w, b, add, gy)
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
-    for name, o, r in zip(("y", "grad_x", "grad_w", "grad_b"), out, ref):
-        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4 * r.abs().max().item(), msg=name)
+    _assert_matches_cudnn_fp32(N, C, H, W, K, add)
 
 
 @cuda
