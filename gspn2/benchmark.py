@@ -1,6 +1,6 @@
-"""Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_step.py), the
-``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py) and image-size arguments
-(scripts/count.py, scripts/receptive_field.py)."""
+"""Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_step.py; kernel time from a CUDA
+graph for scripts/bench_dwconv.py), the ``--aot-config`` option (scripts/bench_models.py,
+scripts/activation_memory.py) and image-size arguments (scripts/count.py, scripts/receptive_field.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["aot_config", "median_ms", "parse_image_size"]
+__all__ = ["aot_config", "graph_ms", "median_ms", "parse_image_size"]
 
 
 def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | None = None) -> float:
@@ -42,6 +42,31 @@ def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | No
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 20, iters: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of one call of ``fn`` on the GPU, without its host cost.
+
+    ``fn`` runs ``warmup`` times on a side stream, then ``reps`` calls are captured in one CUDA graph, and the
+    graph's replay is timed (``median_ms``, ``iters`` replays) and divided by ``reps``: kernel time and the
+    gaps between kernels, not Python or dispatcher time. ``fn`` must be capturable (no host synchronisation,
+    no CPU tensors); it runs ``warmup + reps`` times from Python.
+    """
+    if reps < 1 or iters < 1 or warmup < 0:
+        raise ValueError(f"`reps` and `iters` must be >= 1 and `warmup` >= 0, got {reps}, {iters} and {warmup}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("graph_ms needs a CUDA GPU (torch.cuda.is_available() is False)")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graphs documents
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return median_ms(graph.replay, 1, iters, cuda=True) / reps
 
 
 def aot_config(items: list[str]) -> dict:

@@ -5,9 +5,12 @@
 
 For each (channels, resolution, kernel) of ``--model`` (the two 3x3 local perception units on C channels
 and the mixer's 7x7 on its hidden width, per stage at 224^2 input): forward (``x + conv(x)`` for the 3x3,
-``conv(x)`` for the 7x7, as the blocks call them) and backward (input, weight and bias gradients), CUDA
-events, median of ``--iters``; cuDNN through ``F.conv2d`` / ``aten.convolution_backward`` on the same
-tensors (the option ``dwconv="cudnn"`` in the same process), and each kernel variant asked for (``--variants``). Also the largest error of each against a float32 cuDNN run.
+``conv(x)`` for the 7x7, as the blocks call them) and backward (input, weight and bias gradients), median
+of ``--iters``; cuDNN through ``F.conv2d`` / ``aten.convolution_backward`` on the same tensors (the option
+``dwconv="cudnn"`` in the same process), and each kernel variant asked for (``--variants``). ``--timing
+graph`` (the default) replays 20 calls of each op from a CUDA graph, so small shapes show kernel time, not
+Python's; ``--timing events`` times each Python call. Also the largest error of each against a float32
+cuDNN run.
 Needs a CUDA GPU and the built extension.
 """
 
@@ -21,9 +24,10 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the models)
-from gspn2.benchmark import median_ms
+from gspn2.benchmark import graph_ms, median_ms
 from gspn2.ops import depthwise_conv2d, options
 from gspn2.ops.dwconv import kernel_available
+from gspn2.ops.dwconv import variant as variant_args
 
 
 def model_shapes(name: str, resolution: int) -> list[tuple[int, int, int, bool]]:
@@ -55,7 +59,7 @@ def variant_options(variant: str) -> dict:
 
 
 def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
-             variant: str = "") -> dict:
+             variant: str = "", timing: str = "graph") -> dict:
     """``variant``: ``t<tile>v<vec>``: the row kernels with ``dwconv_tile``, ``dwconv_vec`` = tile, vec, or the tile
     kernels with ``dwconv_tile_cols`` = vec for tile 0; "" for the defaults (``dwconv_kernel="auto"``)."""
     options.set_options(**variant_options(variant), dwconv=backend)
@@ -65,9 +69,27 @@ def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtyp
     b = torch.randn(C, device="cuda", generator=g)
     xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
     gy = torch.randn_like(x)
-    fwd = median_ms(lambda: depthwise_conv2d(x, w, b, add), 3, iters)
     y = depthwise_conv2d(xg, wg, bg, add)
-    bwd = median_ms(lambda: torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True), 3, iters)
+    if timing == "events":
+        fwd = median_ms(lambda: depthwise_conv2d(x, w, b, add), 3, iters)
+        bwd = median_ms(lambda: torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True), 3, iters)
+    else:
+        # The ops themselves, replayed from a CUDA graph: kernel time only. The backward is the backward op
+        # (gspn2's, or aten's convolution_backward plus grad_y for x + conv(x)), as autograd calls it.
+        fwd = graph_ms(lambda: depthwise_conv2d(x, w, b, add), reps=20, iters=iters)
+        if backend == "cudnn":
+            w16 = w.to(dtype)
+
+            def backward():
+                gx, gw, gb = torch.ops.aten.convolution_backward(
+                    gy, x, w16, [C], [1, 1], [K // 2, K // 2], [1, 1], False, [0, 0], C, [True, True, True])
+                return (gx + gy if add else gx), gw, gb
+        else:
+            tile, vec = variant_args(K)
+
+            def backward():
+                return torch.ops.gspn2.depthwise_conv2d_backward.default(gy, x, w, True, add, tile, vec)
+        bwd = graph_ms(backward, reps=20, iters=iters)
     grads = torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True)
     # float32 cuDNN on the same values: the error of this backend's low-precision run
     options.set_options(dwconv="cudnn")
@@ -76,7 +98,8 @@ def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtyp
     g32 = torch.autograd.grad(y32, (x32, w32, b32), gy.float())
     rel = lambda a, r: ((a.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()  # noqa: E731
     err = max(rel(y, y32.detach()), *(rel(a, r) for a, r in zip(grads, g32)))
-    return dict(backend=backend, variant=variant or "-", C=C, side=side, K=K, add_input=add, batch=batch, fwd_ms=fwd, bwd_ms=bwd, max_rel_err=err)
+    return dict(backend=backend, variant=variant or "-", C=C, side=side, K=K, add_input=add, batch=batch, timing=timing,
+                fwd_ms=fwd, bwd_ms=bwd, max_rel_err=err)
 
 
 def main() -> None:
@@ -90,6 +113,10 @@ def main() -> None:
                     help="kernel variants to time: t<tile>v<vec> (the row kernels' output pixels and 16-bit channels per "
                          "thread; t0v<cols>: the shared-memory tile kernels with <cols> output columns per thread; "
                          "'' = the defaults)")
+    ap.add_argument("--timing", choices=["graph", "events"], default="graph",
+                    help="graph: the ops replayed from a CUDA graph (kernel time; the backward op called directly); "
+                         "events: CUDA events around each Python call (forward, and autograd.grad for the backward), "
+                         "host cost included where it exceeds the kernels'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -101,13 +128,14 @@ def main() -> None:
     torch.backends.cudnn.benchmark = True
     dtype = getattr(torch, args.dtype)
     rows = []
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, channels_last, batch {args.batch}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, channels_last, batch {args.batch}, "
+          f"timing {args.timing}")
     variants = [("cuda", v) for v in args.variants]
     head = " ".join(f"{v or 'default':>9s}" for _, v in variants)
     print(f"{'C':>5s} {'side':>5s} {'K':>2s} {'+x':>3s} | fwd ms: {'cuDNN':>7s} {head} | bwd ms: {'cuDNN':>7s} {head} | max err cuDNN / ours")
     tot = {v: [0.0, 0.0] for v in [("cudnn", "")] + variants}
     for C, side, K, add in model_shapes(args.model, args.resolution):
-        res = {v: run_case(C, side, K, add, args.batch, dtype, args.iters, *v) for v in tot}
+        res = {v: run_case(C, side, K, add, args.batch, dtype, args.iters, *v, timing=args.timing) for v in tot}
         rows += list(res.values())
         for v, r in res.items():
             tot[v][0] += r["fwd_ms"]
@@ -126,7 +154,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype,
-                           batch=args.batch, rows=rows), f, indent=1)
+                           batch=args.batch, timing=args.timing, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

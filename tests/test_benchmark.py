@@ -1,10 +1,12 @@
-"""gspn2.benchmark.median_ms: call counts and argument checks (no timing assertions)."""
+"""gspn2.benchmark.median_ms and graph_ms: call counts and argument checks (no timing assertions)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gspn2.benchmark import median_ms
+import torch
+
+from gspn2.benchmark import graph_ms, median_ms
 
 
 def test_runs_warmup_then_timed_calls():
@@ -18,3 +20,25 @@ def test_runs_warmup_then_timed_calls():
 def test_bad_counts_are_named(warmup, iters):
     with pytest.raises(ValueError, match="`warmup` must be >= 0 and `iters` >= 1"):
         median_ms(lambda: None, warmup=warmup, iters=iters)
+
+
+def test_graph_ms_bad_counts_are_named():
+    with pytest.raises(ValueError, match="`reps` and `iters` must be >= 1 and `warmup` >= 0"):
+        graph_ms(lambda: None, reps=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_graph_ms_replays_the_captured_calls():
+    x = torch.zeros(4, device="cuda")
+    calls = []
+
+    def step():
+        calls.append(1)
+        x.add_(1)
+
+    ms = graph_ms(step, reps=5, iters=4, warmup=2)
+    torch.cuda.synchronize()
+    assert len(calls) == 2 + 5  # Python runs the warm-up and the capture only
+    # the warm-up, then 5 adds per replay: median_ms's one untimed replay and its 4 timed ones
+    assert x.tolist() == [2.0 + 5 * (1 + 4)] * 4
+    assert ms > 0.0

@@ -13,6 +13,10 @@
 // is computed.
 #include <algorithm>
 #include <atomic>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "dwconv.h"
 #include "dwconv_device.cuh"
@@ -80,15 +84,18 @@ __device__ __forceinline__ void stage_tile(T* __restrict__ s, const T* __restric
   }
 }
 
-// Stages the KK taps of the CTA's kTileLanes channels from the (C, KK) float32 weight (coalesced reads) at
-// s[lane * KK + tap], flipped (tap KK - 1 - t) for the input gradient; zeros past channel C. KK is odd, so
-// the threads' reads s[lane * KK + t] hit distinct banks.
+// Stages the KK taps of the CTA's kTileLanes channels from the (C, KK) float32 weight at s[lane * KK + tap]
+// (coalesced reads along each channel's taps), flipped (tap KK - 1 - t) for the input gradient; zeros past
+// channel C. KK is odd, so the lanes' reads s[lane * KK + t] hit distinct banks. Complete at the next
+// __syncthreads.
 template <int KK>
 __device__ __forceinline__ void stage_taps(float* __restrict__ s, const float* __restrict__ weight, int c0, int C,
                                            bool flip) {
-  for (int i = threadIdx.x; i < kTileLanes * KK; i += blockDim.x) {
-    const int cc = i / KK, tap = i % KK;
-    s[cc * KK + (flip ? KK - 1 - tap : tap)] = c0 + cc < C ? weight[int64_t(c0) * KK + i] : 0.f;
+  const int warps = blockDim.x / kTileLanes;
+  for (int cc = threadIdx.x / kTileLanes; cc < kTileLanes; cc += warps) {
+    const float* src = weight + int64_t(c0 + cc) * KK;
+    for (int tap = threadIdx.x % kTileLanes; tap < KK; tap += kTileLanes)
+      s[cc * KK + (flip ? KK - 1 - tap : tap)] = c0 + cc < C ? src[tap] : 0.f;
   }
 }
 
@@ -97,13 +104,14 @@ struct TileGeometry {
   int th, tw;     // tile size in output pixels
 };
 
-__device__ __forceinline__ TileGeometry tile_geometry(int64_t tile, int tiles_h, int tiles_w, int sub_h, int sub_w,
+// Tile indices are 32-bit (the host checks the count): two 32-bit divisions per tile.
+__device__ __forceinline__ TileGeometry tile_geometry(int tile, int tiles_h, int tiles_w, int sub_h, int sub_w,
                                                       int R, int CW) {
   TileGeometry g;
-  const int tx = int(tile % tiles_w);
-  const int64_t rest = tile / tiles_w;
-  const int ty = int(rest % tiles_h);
-  g.b = int(rest / tiles_h);
+  const int rest = tile / tiles_w;
+  const int tx = tile - rest * tiles_w;
+  g.b = rest / tiles_h;
+  const int ty = rest - g.b * tiles_h;
   g.th = sub_h * R;
   g.tw = sub_w * CW;
   g.h0 = ty * g.th;
@@ -160,10 +168,12 @@ __device__ __forceinline__ void for_each_window_tap(const T* sx, int cols, F&& f
   }
 }
 
-// The convolution of one warp tile: acc[r][c] += sum over taps of x[r + i][c + j] * wr[i * K + j].
-template <int K, int R, int CW, typename T>
-__device__ __forceinline__ void convolve_tile(float (&acc)[R][CW], const float (&wr)[K * K], const T* sx, int cols) {
-  for_each_window_tap<K, R, CW>(sx, cols, [&](float v, int r, int c, int t) { acc[r][c] = fmaf(v, wr[t], acc[r][c]); });
+// The convolution of one warp tile: acc[r][c] += sum over taps of x[r + i][c + j] * w[i * K + j]. `w`: the
+// thread's taps, in registers (an array) or in shared memory (a pointer: each tap is loaded where the
+// window first needs it, so at most R rows of taps are live at once).
+template <int K, int R, int CW, typename T, typename Taps>
+__device__ __forceinline__ void convolve_tile(float (&acc)[R][CW], const Taps& w, const T* sx, int cols) {
+  for_each_window_tap<K, R, CW>(sx, cols, [&](float v, int r, int c, int t) { acc[r][c] = fmaf(v, w[t], acc[r][c]); });
 }
 
 // One warp tile's products added to the tap sums: acc[i * K + j] += g[r][c] * x[r + i][c + j].
@@ -194,86 +204,90 @@ __device__ __forceinline__ void for_each_output(T* __restrict__ base, int hb, in
 
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
-// Forward and input gradient: y = conv(x) (+ bias) (+ x, `add_input`, read from the staged tile) (then
-// SiLU); the input gradient is the convolution of grad_y with the flipped taps (`flip`), plus grad_y for
-// x + conv(x).
-// Four CTAs of 8 warps per SM (at most 64 registers) with 4 columns per thread, two with 8.
-template <typename T, int K, int CW>
-__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, CW == 4 ? 4 : 2) dwconv_tile_forward_kernel(
-    const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, T* __restrict__ y,
-    int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, bool flip, bool add_input, bool silu_out,
-    bool vec) {
-  constexpr int R = kTileRows, P = K / 2, KK = K * K;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* s_w = reinterpret_cast<float*>(smem_raw);                       // [lane][tap]: KK odd, no bank conflicts
-  T* s_x = reinterpret_cast<T*>(smem_raw + kTileLanes * KK * sizeof(float));  // [pixel][lane]
-  const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
-  const int c0 = blockIdx.y * kTileLanes, c = c0 + lane;
-  const TileGeometry g = tile_geometry(blockIdx.x, tiles_h, tiles_w, sub_h, sub_w, R, CW);
-  const int cols = g.tw + K - 1;
-
-  const int64_t img = int64_t(g.b) * H * W * C;
-  stage_tile<T>(s_x, x + img, g.h0 - P, g.w0 - P, g.th + K - 1, cols, H, W, C, c0, vec);
-  cp_async_commit();
-  stage_taps<KK>(s_w, weight, c0, C, flip);
-  const float bv = (bias != nullptr && c < C) ? bias[c] : 0.f;
-  cp_async_wait<0>();
-  __syncthreads();
-
-  float wr[KK];
-#pragma unroll
-  for (int t = 0; t < KK; ++t) wr[t] = s_w[lane * KK + t];
-  float acc[R][CW];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int j = 0; j < CW; ++j) acc[r][j] = bv;
-
-  const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;  // the warp tile in the CTA tile
-  const T* sx = s_x + (sr * cols + sc) * kTileLanes + lane;
-  convolve_tile<K, R, CW>(acc, wr, sx, cols);
-  if (c >= C) return;
-  for_each_output<R, CW>(y + img + c, g.h0 + sr, g.w0 + sc, H, W, C, [&](int r, int j, T* out) {
-    float v = acc[r][j];
-    if (add_input) v += to_float(sx[((r + P) * cols + j + P) * kTileLanes]);
-    *out = from_float<T>(silu_out ? silu(v) : v);
-  });
-}
-
-// The chunk of a weight-gradient or one-pass backward CTA (tiles_per_chunk tiles from
-// blockIdx.x * tiles_per_chunk on, fewer in the last chunk) with two staging buffers: stage(t, buffer) starts
-// the copies of tile t; compute(t, buffer) runs once they are complete. The copies of tile t + 1 are in
-// flight while tile t is computed.
+// Runs a CTA's tiles first, first + step, ... (below end) with two staging buffers: stage(t, buffer) starts
+// the copies of tile t; compute(t, buffer) runs once they are complete. The copies of the next tile are in
+// flight while the current one is computed.
 template <typename Stage, typename Compute>
-__device__ __forceinline__ void pipeline_chunk(int64_t tiles, int64_t tiles_per_chunk, Stage&& stage,
-                                               Compute&& compute) {
-  const int64_t t_begin = int64_t(blockIdx.x) * tiles_per_chunk;
-  const int64_t t_end = t_begin + tiles_per_chunk < tiles ? t_begin + tiles_per_chunk : tiles;
-  if (t_begin >= t_end) return;
-  stage(t_begin, 0);
+__device__ __forceinline__ void pipeline_tiles(int first, int end, int step, Stage&& stage, Compute&& compute) {
+  if (first >= end) return;
+  stage(first, 0);
   cp_async_commit();
   int buf = 0;
-  for (int64_t t = t_begin; t < t_end; ++t, buf ^= 1) {
-    if (t + 1 < t_end) {
-      stage(t + 1, buf ^ 1);  // that buffer's last reads (tile t - 1) ended at the barrier below
+  for (int t = first; t < end; t += step, buf ^= 1) {
+    if (t + step < end) {
+      stage(t + step, buf ^ 1);  // that buffer's last reads (two tiles back) ended at the barrier below
       cp_async_commit();
-      cp_async_wait<1>();     // tile t's copies are done, tile t + 1's may still run
+      cp_async_wait<1>();        // tile t's copies are done, the next tile's may still run
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();  // every thread's copies (and element stores) of tile t are visible
     compute(t, buf);
-    __syncthreads();  // tile t's buffer is free for tile t + 2
+    __syncthreads();  // tile t's buffer is free for the tile after next
   }
+}
+
+// Forward and input gradient: y = conv(x) (+ bias) (+ x, `add_input`, read from the staged tile) (then
+// SiLU); the input gradient is the convolution of grad_y with the flipped taps (`flip`), plus grad_y for
+// x + conv(x). Persistent CTAs: CTA i of a channel block computes tiles i, i + gridDim.x, ... (the grid is
+// what fits on the GPU at once), staging the taps once and each tile's input double-buffered.
+// Four CTAs of 8 warps per SM (at most 64 registers) with 4 columns per thread, two with 8.
+template <typename T, int K, int CW>
+__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, CW == 4 ? 4 : 2) dwconv_tile_forward_kernel(
+    const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, T* __restrict__ y,
+    int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, int tiles, bool flip, bool add_input,
+    bool silu_out, bool vec) {
+  constexpr int R = kTileRows, P = K / 2, KK = K * K;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* s_w = reinterpret_cast<float*>(smem_raw);  // [lane][tap]: KK odd, no bank conflicts
+  // Two buffers of [pixel][lane] after the taps (offsets, not a pointer array: the loads stay shared-memory
+  // loads).
+  T* const s_buf = reinterpret_cast<T*>(smem_raw + kTileLanes * KK * sizeof(float));
+  const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
+  const int c0 = blockIdx.y * kTileLanes, c = c0 + lane;
+  const int th = sub_h * R, tw = sub_w * CW, rows = th + K - 1, cols = tw + K - 1;
+  const int elems = rows * cols * kTileLanes;
+  const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;  // the warp tile in the CTA tile
+  const int s_off = (sr * cols + sc) * kTileLanes + lane;
+
+  stage_taps<KK>(s_w, weight, c0, C, flip);  // visible after the pipeline's first barrier
+  const float* const s_taps = s_w + lane * KK;
+  const float bv = (bias != nullptr && c < C) ? bias[c] : 0.f;
+
+  pipeline_tiles(
+      int(blockIdx.x), tiles, int(gridDim.x),
+      [&](int t, int b) {
+        const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
+        stage_tile<T>(s_buf + b * elems, x + int64_t(g.b) * H * W * C, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0,
+                      vec);
+      },
+      [&](int t, int b) {
+        float acc[R][CW];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < CW; ++j) acc[r][j] = bv;
+        const T* sx = s_buf + b * elems + s_off;
+        convolve_tile<K, R, CW>(acc, s_taps, sx, cols);
+        if (c >= C) return;
+        const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
+        for_each_output<R, CW>(y + int64_t(g.b) * H * W * C + c, g.h0 + sr, g.w0 + sc, H, W, C,
+                               [&](int r, int j, T* out) {
+                                 float v = acc[r][j];
+                                 if (add_input) v += to_float(sx[((r + P) * cols + j + P) * kTileLanes]);
+                                 *out = from_float<T>(silu_out ? silu(v) : v);
+                               });
+      });
 }
 
 // Weight and bias gradients: each CTA sums grad_y (x) shifted x over its chunk of tiles for its 32 channels,
 // one thread per (channel, warp tile) holding the K * K tap sums; the warps' sums are added in a fixed order
-// into partial[chunk][tap][c] (tap K * K: the bias).
+// into partial[chunk][tap][c] (tap K * K: the bias). The 7x7 with 4 columns fits 80 registers, so three
+// CTAs of 8 warps share an SM.
 template <typename T, int K, int CW>
-__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_wgrad_kernel(
+__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, K == 7 && CW == 4 ? 3 : 1) dwconv_tile_wgrad_kernel(
     const T* __restrict__ gy, const T* __restrict__ x, float* __restrict__ partial, int H, int W, int C,
-    int tiles_h, int tiles_w, int sub_h, int sub_w, int64_t tiles, int64_t tiles_per_chunk, bool vec) {
+    int tiles_h, int tiles_w, int sub_h, int sub_w, int tiles, int tiles_per_chunk, bool vec) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
@@ -291,16 +305,17 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_wgrad_
   for (int t = 0; t < KK; ++t) acc[t] = 0.f;
   float accb = 0.f;
 
-  pipeline_chunk(
-      tiles, tiles_per_chunk,
-      [&](int64_t t, int b) {
+  const int first = int(blockIdx.x) * tiles_per_chunk;
+  pipeline_tiles(
+      first, min(first + tiles_per_chunk, tiles), 1,
+      [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
         const int64_t img = int64_t(g.b) * H * W * C;
         T* const sx = s_buf + b * buf_elems;
         stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, th + K - 1, cols, H, W, C, c0, vec);
         stage_tile<T>(sx + x_elems, gy + img, g.h0, g.w0, th, tw, H, W, C, c0, vec);
       },
-      [&](int64_t, int b) {
+      [&](int, int b) {
         const T* const sx = s_buf + b * buf_elems;
         const T* const sg = sx + x_elems + (sr * tw + sc) * kTileLanes + lane;
         float gv[R][CW];
@@ -323,8 +338,8 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_wgrad_
 template <typename T, int K, int CW>
 __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backward_kernel(
     const T* __restrict__ gy, const T* __restrict__ x, const float* __restrict__ weight, T* __restrict__ gx,
-    float* __restrict__ partial, int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, int64_t tiles,
-    int64_t tiles_per_chunk, bool add_input, bool vec) {
+    float* __restrict__ partial, int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, int tiles,
+    int tiles_per_chunk, bool add_input, bool vec) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
@@ -350,16 +365,17 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
   for (int t = 0; t < KK; ++t) acc_w[t] = 0.f;
   float accb = 0.f;
 
-  pipeline_chunk(
-      tiles, tiles_per_chunk,
-      [&](int64_t t, int b) {
+  const int first = int(blockIdx.x) * tiles_per_chunk;
+  pipeline_tiles(
+      first, min(first + tiles_per_chunk, tiles), 1,
+      [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
         const int64_t img = int64_t(g.b) * H * W * C;
         T* const sx = s_buf + b * 2 * elems;
         stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
         stage_tile<T>(sx + elems, gy + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
       },
-      [&](int64_t t, int b) {
+      [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
         const T* const sx = s_buf + b * 2 * elems + s_off;
         const T* const sg = sx + elems;
@@ -419,18 +435,41 @@ void allow_smem(Kernel kernel, int bytes) {
 template <typename T, int K, int CW, int kKind>  // kKind: 0 forward, 1 weight gradient, 2 one-pass backward
 struct TileKernelTag {};
 
+// How many CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory, already allowed) the
+// current GPU holds at once; asked once per (kernel, block size, shared memory, device).
+template <typename Tag, typename Kernel>
+int resident_ctas(Kernel kernel, int threads, int smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int>, int> known;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const auto key = std::make_tuple(dev, threads, smem);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int n = std::max(1, per_sm) * std::max(1, sms);
+  known.emplace(key, n);
+  return n;
+}
+
 bool tile_vec_ok(int C, ScalarType dtype) { return C % (16 / element_size(dtype)) == 0; }
 
 template <typename T, int K, int CW>
-void launch_tile_forward(const DwConvForwardParams& p) {
-  const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW, int(sizeof(T)), dwconv_tile_smem_limit());
+void launch_tile_forward(const DwConvForwardParams& p, const DwTilePlan& q) {
   auto kernel = dwconv_tile_forward_kernel<T, K, CW>;
   allow_smem<TileKernelTag<T, K, CW, 0>>(kernel, q.smem_forward);
-  const dim3 grid(unsigned(q.tiles), unsigned(q.channel_blocks));
+  const int threads = kTileLanes * q.sub_h * q.sub_w;
+  // As many CTAs as fit at once, spread over the channel blocks; each loops over its share of the tiles.
+  const int per_block = std::max(1, resident_ctas<TileKernelTag<T, K, CW, 0>>(kernel, threads, q.smem_forward) /
+                                        q.channel_blocks);
+  const dim3 grid(unsigned(std::min<int64_t>(q.tiles, per_block)), unsigned(q.channel_blocks));
   // The tile kernels add their own input: the residual must be x (forward) or grad_y (input gradient).
-  kernel<<<grid, kTileLanes * q.sub_h * q.sub_w, q.smem_forward, p.stream>>>(
+  kernel<<<grid, threads, q.smem_forward, p.stream>>>(
       static_cast<const T*>(p.x), p.weight, p.bias, static_cast<T*>(p.y), p.H, p.W, p.C, q.tiles_h, q.tiles_w,
-      q.sub_h, q.sub_w, p.flip, p.residual != nullptr, p.silu, tile_vec_ok(p.C, p.dtype));
+      q.sub_h, q.sub_w, int(q.tiles), p.flip, p.residual != nullptr, p.silu, tile_vec_ok(p.C, p.dtype));
 }
 
 template <typename T, int K, int CW>
@@ -440,7 +479,7 @@ void launch_tile_wgrad(const DwConvWgradParams& p, const DwTilePlan& q) {
   const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
   kernel<<<grid, kTileLanes * q.sub_h * q.sub_w, q.smem_wgrad, p.stream>>>(
       static_cast<const T*>(p.grad_y), static_cast<const T*>(p.x), p.partial, p.H, p.W, p.C, q.tiles_h, q.tiles_w,
-      q.sub_h, q.sub_w, q.tiles, q.tiles_per_chunk, tile_vec_ok(p.C, p.dtype));
+      q.sub_h, q.sub_w, int(q.tiles), int(q.tiles_per_chunk), tile_vec_ok(p.C, p.dtype));
 }
 
 template <typename T, int K, int CW>
@@ -450,35 +489,42 @@ void launch_tile_backward(const DwConvWgradParams& p, const DwTilePlan& q) {
   const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
   kernel<<<grid, kTileLanes * q.sub_h * q.sub_w, q.smem_backward, p.stream>>>(
       static_cast<const T*>(p.grad_y), static_cast<const T*>(p.x), p.weight, static_cast<T*>(p.grad_x), p.partial,
-      p.H, p.W, p.C, q.tiles_h, q.tiles_w, q.sub_h, q.sub_w, q.tiles, q.tiles_per_chunk, p.add_input,
+      p.H, p.W, p.C, q.tiles_h, q.tiles_w, q.sub_h, q.sub_w, int(q.tiles), int(q.tiles_per_chunk), p.add_input,
       tile_vec_ok(p.C, p.dtype));
 }
 
+std::string too_many_tiles(const DwTilePlan& q) {
+  return "gspn2: the depthwise tile kernels index tiles with 32-bit integers; this input has " +
+         std::to_string(q.tiles) + " tiles (batch x tiles per image)";
+}
+
 template <typename T, template <typename, int, int> class F, typename Params>
-void dispatch_tile(const Params& p, int cols) {
-#define GSPN2_DW_TILE(KS)                  \
-  if (cols == 8) {                         \
-    F<T, KS, 8>::run(p);                   \
-  } else {                                 \
-    F<T, KS, 4>::run(p);                   \
-  }
+std::string dispatch_tile(const Params& p, int cols) {
+#define GSPN2_DW_TILE(KS) return cols == 8 ? F<T, KS, 8>::run(p) : F<T, KS, 4>::run(p)
   switch (p.K) {
-    case 3: GSPN2_DW_TILE(3); break;
-    case 5: GSPN2_DW_TILE(5); break;
-    case 7: GSPN2_DW_TILE(7); break;
-    default: break;
+    case 3: GSPN2_DW_TILE(3);
+    case 5: GSPN2_DW_TILE(5);
+    case 7: GSPN2_DW_TILE(7);
+    default: return "";
   }
 #undef GSPN2_DW_TILE
 }
 
+// The launchers return an error message, or "" once the kernels are launched.
 template <typename T, int K, int CW>
 struct TileForwardLauncher {
-  static void run(const DwConvForwardParams& p) { launch_tile_forward<T, K, CW>(p); }
+  static std::string run(const DwConvForwardParams& p) {
+    const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW, int(sizeof(T)), dwconv_tile_smem_limit());
+    if (q.tiles > INT_MAX) return too_many_tiles(q);
+    launch_tile_forward<T, K, CW>(p, q);
+    return "";
+  }
 };
 template <typename T, int K, int CW>
 struct TileWgradLauncher {
-  static void run(const DwConvWgradParams& p) {
+  static std::string run(const DwConvWgradParams& p) {
     const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW, int(sizeof(T)), dwconv_tile_smem_limit());
+    if (q.tiles > INT_MAX) return too_many_tiles(q);
     if (p.grad_x != nullptr) {
       launch_tile_backward<T, K, CW>(p, q);
     } else {
@@ -486,6 +532,7 @@ struct TileWgradLauncher {
     }
     dwconv_tile_reduce_kernel<<<unsigned(((p.K * p.K + 1) * int64_t(p.C) + 255) / 256), 256, 0, p.stream>>>(
         p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K);
+    return "";
   }
 };
 
@@ -529,7 +576,7 @@ DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int ele
     q.sub_h = pick(nh, std::max(1, warps / q.sub_w));
     const int th = q.sub_h * q.rows, tw = q.sub_w * cols;
     const int halo = (th + K - 1) * (tw + K - 1) * kTileLanes * elem_bytes;  // bytes of one staged tile
-    q.smem_forward = taps + halo;
+    q.smem_forward = taps + 2 * halo;  // two staging buffers
     q.smem_wgrad = std::max(2 * (halo + th * tw * kTileLanes * elem_bytes), reduced);  // two buffers of x, grad_y
     q.smem_backward = std::max(taps + 4 * halo, reduced);
     if (warps == 1 || std::max({q.smem_forward, q.smem_wgrad, q.smem_backward}) <= smem_limit) break;
@@ -546,21 +593,23 @@ DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int ele
 
 std::string dwconv_tile_forward_launch(const DwConvForwardParams& p) {
   if (p.residual != nullptr && p.residual != p.x) return "gspn2: the tile kernels add only their own input";
+  std::string error;
   switch (p.dtype) {
-    case ScalarType::Float: dispatch_tile<float, TileForwardLauncher>(p, p.vec); break;
-    case ScalarType::Half: dispatch_tile<__half, TileForwardLauncher>(p, p.vec); break;
-    case ScalarType::BFloat16: dispatch_tile<__nv_bfloat16, TileForwardLauncher>(p, p.vec); break;
+    case ScalarType::Float: error = dispatch_tile<float, TileForwardLauncher>(p, p.vec); break;
+    case ScalarType::Half: error = dispatch_tile<__half, TileForwardLauncher>(p, p.vec); break;
+    case ScalarType::BFloat16: error = dispatch_tile<__nv_bfloat16, TileForwardLauncher>(p, p.vec); break;
   }
-  return last_launch_error();
+  return error.empty() ? last_launch_error() : error;
 }
 
 std::string dwconv_tile_wgrad_launch(const DwConvWgradParams& p) {
+  std::string error;
   switch (p.dtype) {
-    case ScalarType::Float: dispatch_tile<float, TileWgradLauncher>(p, p.plan.vec); break;
-    case ScalarType::Half: dispatch_tile<__half, TileWgradLauncher>(p, p.plan.vec); break;
-    case ScalarType::BFloat16: dispatch_tile<__nv_bfloat16, TileWgradLauncher>(p, p.plan.vec); break;
+    case ScalarType::Float: error = dispatch_tile<float, TileWgradLauncher>(p, p.plan.vec); break;
+    case ScalarType::Half: error = dispatch_tile<__half, TileWgradLauncher>(p, p.plan.vec); break;
+    case ScalarType::BFloat16: error = dispatch_tile<__nv_bfloat16, TileWgradLauncher>(p, p.plan.vec); break;
   }
-  return last_launch_error();
+  return error.empty() ? last_launch_error() : error;
 }
 
 }  // namespace gspn2

@@ -228,6 +228,22 @@ def test_cuda_weight_gradient_over_multi_tile_chunks(shape, variant):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8"])
+@pytest.mark.parametrize("K", [3, 7])
+def test_cuda_forward_over_many_tiles_per_cta(K, variant):
+    """The tile forward (and the input gradient, the same kernel) runs as many CTAs as fit on the GPU at once,
+    each looping over tiles, double-buffered. 128 images of 56^2 on one channel block are more than twice the
+    CTA tiles that 8 CTAs per SM could hold, so every CTA computes several, some one more than others."""
+    N, C, H, W = 128, 32, 56, 56
+    q = _cuda.dwconv_plan(N, C, H, W, K, "float32", cols=int(variant[3]))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert q["channel_blocks"] == 1 and q["tiles"] > 2 * 8 * sms, q  # more than 8 resident CTAs per SM could take
+    _set_variant(variant)
+    _assert_matches_cudnn_fp32(N, C, H, W, K, K == 3)
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("C,K", [(120, 7), (26, 7), (80, 3), (20, 5)])  # 8 or 4 channels, 1, 4 channels
 @pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t0v4", "t0v8", "t1v4", "t1v8"])
