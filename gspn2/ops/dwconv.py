@@ -22,9 +22,10 @@ every other device runs ``F.conv2d`` / ``aten.convolution_backward`` with the au
   input-gradient and a weight-gradient kernel;
 * ``tile`` 1: the tile kernels with a one-pass backward (grad_y and x staged once for all three gradients).
 
-The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_FAMILY`, the tile kernels; ``row``,
-``tile``, ``fused``), ``dwconv_tile`` / ``dwconv_vec`` the row kernels' variant and ``dwconv_tile_cols`` the
-tile kernels' columns per thread.
+The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_VARIANT`, the family and columns per
+thread that measured fastest for each kernel size; ``row``, ``tile``, ``fused``), ``dwconv_tile`` /
+``dwconv_vec`` the row kernels' variant and ``dwconv_tile_cols`` the columns per thread of an explicitly
+chosen tile family.
 
 The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
 
@@ -58,9 +59,11 @@ __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_avai
 KERNEL_SIZES = tuple(_cuda.limits()["dwconv_kernel_sizes"]) if _cuda.extension_available() else ()
 #: ... and those ``dwconv="auto"`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
 AUTO_KERNEL_SIZES = (3, 7)
-#: The kernel family ``dwconv_kernel="auto"`` runs for each kernel size: the shared-memory tile kernels, the
-#: fastest forward plus backward on the models' 3x3 and 7x7 shapes (docs/benchmarks.md, "Depthwise convolution").
-AUTO_FAMILY = {3: "tile", 5: "tile", 7: "tile"}
+#: The kernel family and output columns per thread ``dwconv_kernel="auto"`` runs for each kernel size: the
+#: fastest forward plus backward, summed over gspn2_tiny's blocks, on the models' 3x3 and 7x7 shapes
+#: (docs/benchmarks.md, "The depthwise convolution kernel"): the one-pass backward with 8 columns for the 3x3,
+#: the tile kernels with 4 columns for the 7x7.
+AUTO_VARIANT = {3: ("fused", 8), 5: ("tile", 4), 7: ("tile", 4)}
 _EXTENSION = _cuda.extension_available()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -253,12 +256,12 @@ def variant(kernel_size: int) -> tuple[int, int]:
     """The ``(tile, vec)`` arguments of the op for this kernel size under the current options: ``(0, columns)``
     for the shared-memory tile kernels, ``(pixels, channels)`` per thread for the row kernels."""
     o = _options.current()
-    family = o.dwconv_kernel
+    family, cols = o.dwconv_kernel, o.dwconv_tile_cols
     if family == "auto":
-        family = AUTO_FAMILY.get(kernel_size, "tile")
+        family, cols = AUTO_VARIANT.get(kernel_size, ("tile", 4))
     if family == "row":
         return o.dwconv_tile, o.dwconv_vec
-    return (1 if family == "fused" else 0), o.dwconv_tile_cols
+    return (1 if family == "fused" else 0), cols
 
 
 def _dwconv(x, weight, bias, add_input, silu):

@@ -18,13 +18,14 @@ environment         option                               values
 ``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
                     convolution on CUDA tensors          than cuDNN: K = 3, 7), ``cuda`` (every K it
                                                          supports, else an error), ``cudnn``
-(none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_FAMILY``: the
-                    kernel family                        tile kernels), ``row``, ``tile`` (shared-memory
-                                                         tiles), ``fused`` (tiles, one-pass backward)
+(none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_VARIANT``: family
+                    kernel family                        and columns per kernel size), ``row``, ``tile``
+                                                         (shared-memory tiles), ``fused`` (tiles, one-pass
+                                                         backward)
 (none)              ``dwconv_tile``, ``dwconv_vec``:     4 or 8 each (benchmarks)
                     the row kernels' pixels and
                     channels per thread
-(none)              ``dwconv_tile_cols``: the tile       4 or 8 (benchmarks)
+(none)              ``dwconv_tile_cols``: the tile       4 or 8 (benchmarks; ``auto`` picks its own)
                     kernels' output columns per thread
 ==================  ===================================  ================================================
 

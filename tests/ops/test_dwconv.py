@@ -148,7 +148,11 @@ def test_auto_gives_the_kernel_the_3x3_and_7x7():
 
 def test_kernel_family_options_give_the_op_variant():
     options.set_options(dwconv_kernel="auto", dwconv_tile=8, dwconv_vec=4, dwconv_tile_cols=8)
-    assert [D.variant(k) for k in (3, 5, 7)] == [(0, 8)] * 3  # auto: the tile kernels
+    # auto: its own family and columns per kernel size, whatever dwconv_tile_cols says
+    assert [D.variant(k) for k in (3, 5, 7)] == [(1, 8), (0, 4), (0, 4)]
+    options.set_options(dwconv_tile_cols=4)
+    assert D.variant(3) == (1, 8)
+    options.set_options(dwconv_tile_cols=8)
     options.set_options(dwconv_kernel="row")
     assert D.variant(7) == (8, 4)
     options.set_options(dwconv_kernel="tile")
