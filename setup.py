@@ -68,7 +68,6 @@ def _extensions() -> tuple[list, dict]:
             os.path.join(CSRC, "propagate_streaming.cu"),
             os.path.join(CSRC, "propagate_cluster.cu"),
             os.path.join(CSRC, "dwconv.cpp"),
-            os.path.join(CSRC, "dwconv_kernel.cu"),
             os.path.join(CSRC, "dwconv_tile.cu"),
         ],
         include_dirs=[os.path.abspath(CSRC)],

@@ -1,7 +1,7 @@
 """Depthwise convolution: gspn2's CUDA kernel against cuDNN, on the GSPN-2 models' shapes.
 
     python scripts/bench_dwconv.py                       # gspn2_tiny's shapes, bf16, channels_last
-    python scripts/bench_dwconv.py --variants t0v4 t1v4 t4v8 --json runs/bench_dwconv.json
+    python scripts/bench_dwconv.py --variants "" t0v4 t1v8 --json runs/bench_dwconv.json
 
 For each (channels, resolution, kernel) of ``--model`` (the two 3x3 local perception units on C channels
 and the mixer's 7x7 on its hidden width, per stage at 224^2 input): forward (``x + conv(x)`` for the 3x3,
@@ -49,19 +49,16 @@ def model_shapes(name: str, resolution: int) -> list[tuple[int, int, int, bool]]
 def variant_options(variant: str) -> dict:
     """The gspn2 options of a ``--variants`` entry (see run_case)."""
     defaults = options.Options()
-    opts = dict(dwconv_kernel=defaults.dwconv_kernel, dwconv_tile=defaults.dwconv_tile, dwconv_vec=defaults.dwconv_vec,
-                dwconv_tile_cols=defaults.dwconv_tile_cols)
-    if variant.startswith(("t0", "t1")):
+    opts = dict(dwconv_kernel=defaults.dwconv_kernel, dwconv_tile_cols=defaults.dwconv_tile_cols)
+    if variant:
         opts.update(dwconv_kernel="tile" if variant[1] == "0" else "fused", dwconv_tile_cols=int(variant[3]))
-    elif variant:
-        opts.update(dwconv_kernel="row", dwconv_tile=int(variant[1]), dwconv_vec=int(variant[3]))
     return opts
 
 
 def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
              variant: str = "", timing: str = "graph") -> dict:
-    """``variant``: ``t<tile>v<vec>``: the row kernels with ``dwconv_tile``, ``dwconv_vec`` = tile, vec, or the tile
-    kernels with ``dwconv_tile_cols`` = vec for tile 0; "" for the defaults (``dwconv_kernel="auto"``)."""
+    """``variant``: ``t<kernel>v<cols>``: ``dwconv_kernel`` "tile" (kernel 0) or "fused" (kernel 1) with
+    ``dwconv_tile_cols`` = cols; "" for the defaults (``dwconv_kernel="auto"``)."""
     options.set_options(**variant_options(variant), dwconv=backend)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, C, side, side, device="cuda", generator=g).to(dtype, memory_format=torch.channels_last)
@@ -109,10 +106,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", nargs="+", default=[""], choices=["", "t4v8", "t4v4", "t8v4", "t8v8", "t0v4", "t0v8", "t1v4", "t1v8"],
-                    help="kernel variants to time: t<tile>v<vec> (the row kernels' output pixels and 16-bit channels per "
-                         "thread; t0v<cols>: the shared-memory tile kernels with <cols> output columns per thread; "
-                         "'' = the defaults)")
+    ap.add_argument("--variants", nargs="+", default=[""], choices=["", "t0v4", "t0v8", "t1v4", "t1v8"],
+                    help="kernel variants to time: t<kernel>v<cols> (kernel 0: input- and weight-gradient kernels, "
+                         "1: one-pass backward; <cols> output columns per thread); '' = the defaults (auto)")
     ap.add_argument("--timing", choices=["graph", "events"], default="graph",
                     help="graph: the ops replayed from a CUDA graph (kernel time; the backward op called directly); "
                          "events: CUDA events around each Python call (forward, and autograd.grad for the backward), "

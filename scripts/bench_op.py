@@ -41,6 +41,7 @@ import torch
 
 import gspn2  # noqa: F401
 from gspn2.ops import _cuda, depthwise_conv2d, gspn_propagate, gspn_propagate_ref
+from gspn2.ops.dwconv import variant as dwconv_variant
 
 
 def fwd(x, lam, gates, kernel="auto", cluster_ctas=0):
@@ -341,7 +342,7 @@ def host_overhead(out_dir: str, n: int = 2000) -> list:
     kernel_us["gspn_propagate forward + backward"] = kernel_us["gspn_propagate forward"] + median_ms(
         lambda: bwd(gh, x, lam, gates, h)) * 1e3
     kernel_us["depthwise_conv2d forward + backward"] = kernel_us["depthwise_conv2d forward (3x3, kernel)"] + median_ms(
-        lambda: torch.ops.gspn2.depthwise_conv2d_backward(gyd, xd, wd, True, True, 4, 8)) * 1e3
+        lambda: torch.ops.gspn2.depthwise_conv2d_backward(gyd, xd, wd, True, True, *dwconv_variant(3))) * 1e3
     a, b, c = xa.detach(), ya.detach(), za.detach()
     kernel_us["autograd engine: addcmul(a, b, c), 3 leaves, forward + backward"] = median_ms(
         lambda: (torch.addcmul(a, b, c), gh * c, gh * b, gh.clone())) * 1e3

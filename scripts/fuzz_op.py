@@ -634,12 +634,12 @@ def _backward_cases():
 # ---- depthwise convolution
 
 
-def _pub_dw(x, w, b=None, add_input=False, silu=False, tile=None, vec=None):
+def _pub_dw(x, w, b=None, add_input=False, silu=False, kernel=None, cols=None):
     return depthwise_conv2d(x, w, b, add_input, silu)
 
 
-def _raw_dw(x, w, b=None, add_input=False, silu=False, tile=4, vec=8):
-    return torch.ops.gspn2.depthwise_conv2d.default(x, w, b, add_input, silu, tile, vec)
+def _raw_dw(x, w, b=None, add_input=False, silu=False, kernel=0, cols=4):
+    return torch.ops.gspn2.depthwise_conv2d.default(x, w, b, add_input, silu, kernel, cols)
 
 
 DW_ENTRIES = (("dw", _pub_dw, False), ("rawdw", _raw_dw, True))
@@ -757,23 +757,23 @@ def _dw_flag_cases():
         name = label.split("-")[0]
         cases.append(Case(f"dw/{label}", build, "error", (name,)))
         cases.append(Case(f"rawdw/{label}", build_raw, "result" if coerced else "error", (name,), raw=True))
-    for label, tile, vec in (("tile-3", 3, 8), ("tile-16", 16, 8), ("tile-0", 0, 8), ("tile-neg4", -4, 8),
-                             ("tile-2^40", 2**40, 8), ("tile-str", "4", 8), ("tile-float", 4.0, 8), ("tile-True", True, 8),
-                             ("tile-None", None, 8), ("vec-2", 4, 2), ("vec-16", 4, 16), ("vec-2^63", 4, 2**63),
-                             ("vec-str", 4, "8")):
-        def build(dev, tile=tile, vec=vec):
+    for label, kernel, cols in (("kernel-2", 2, 4), ("kernel-4", 4, 4), ("kernel-neg1", -1, 4), ("kernel-2^40", 2**40, 4),
+                                ("kernel-str", "0", 4), ("kernel-float", 0.0, 4), ("kernel-True", True, 4),
+                                ("kernel-None", None, 4), ("cols-2", 0, 2), ("cols-16", 0, 16), ("cols-2^63", 0, 2**63),
+                                ("cols-str", 0, "8")):
+        def build(dev, kernel=kernel, cols=cols):
             x, w, b = dw_inputs(dev)
-            return Call(lambda: _raw_dw(x, w, b, False, False, tile, vec))
+            return Call(lambda: _raw_dw(x, w, b, False, False, kernel, cols))
 
         cases.append(Case(f"rawdw/{label}", build, "error", (label.split("-")[0],), raw=True))
-    for tile in (4, 8):
-        for vec in (4, 8):
-            def build(dev, tile=tile, vec=vec):
+    for kernel in (0, 1):
+        for cols in (4, 8):
+            def build(dev, kernel=kernel, cols=cols):
                 x, w, b = dw_inputs(dev, C=8)
                 x = x.contiguous(memory_format=torch.channels_last)
-                return Call(lambda: _raw_dw(x, w, b, True, False, tile, vec), check_dw(x, w, b, True, False))
+                return Call(lambda: _raw_dw(x, w, b, True, False, kernel, cols), check_dw(x, w, b, True, False))
 
-            cases.append(Case(f"rawdw/tile{tile}-vec{vec}", build, "result", raw=True))
+            cases.append(Case(f"rawdw/kernel{kernel}-cols{cols}", build, "result", raw=True))
     return cases
 
 
@@ -834,8 +834,8 @@ def _dw_backward_cases():
         x, w, _ = dw_inputs(dev, dtype=torch.float64)
         return _randn(x.shape, torch.float64, dev, 4), x, w
 
-    def raw_bwd(gy, x, w, has_bias=True, add_input=False, tile=4, vec=8):
-        return torch.ops.gspn2.depthwise_conv2d_backward.default(gy, x, w, has_bias, add_input, tile, vec)
+    def raw_bwd(gy, x, w, has_bias=True, add_input=False, kernel=0, cols=4):
+        return torch.ops.gspn2.depthwise_conv2d_backward.default(gy, x, w, has_bias, add_input, kernel, cols)
 
     def build_valid(dev):
         gy, x, w = base(dev)
@@ -867,11 +867,11 @@ def _dw_backward_cases():
 
         cases.append(Case(f"rawdwbwd/{label}", build, "error", names, raw=True))
 
-    def build_tile(dev):
+    def build_kernel(dev):
         gy, x, w = base(dev)
-        return Call(lambda: raw_bwd(gy, x, w, tile=5))
+        return Call(lambda: raw_bwd(gy, x, w, kernel=5))
 
-    cases.append(Case("rawdwbwd/tile-5", build_tile, "error", ("tile",), raw=True))
+    cases.append(Case("rawdwbwd/kernel-5", build_kernel, "error", ("kernel",), raw=True))
     return cases
 
 
@@ -887,8 +887,9 @@ def _option_cases():
         ("cluster_ctas-3", {"cluster_ctas": 3}, ("cluster_ctas",)),
         ("cluster_ctas-True", {"cluster_ctas": True}, ("cluster_ctas",)),
         ("dwconv-mkl", {"dwconv": "mkl"}, ("dwconv",)),
-        ("dwconv_tile-5", {"dwconv_tile": 5}, ("dwconv_tile",)),
-        ("dwconv_vec-str", {"dwconv_vec": "8"}, ("dwconv_vec",)),
+        ("dwconv_tile_cols-5", {"dwconv_tile_cols": 5}, ("dwconv_tile_cols",)),
+        ("dwconv_tile_cols-str", {"dwconv_tile_cols": "8"}, ("dwconv_tile_cols",)),
+        ("dwconv_kernel-row", {"dwconv_kernel": "row"}, ("dwconv_kernel",)),
         ("unknown", {"kernal": "fast"}, ("kernal",)),
     ):
         def build(dev, kw=kw):

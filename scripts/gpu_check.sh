@@ -190,7 +190,7 @@ stage_bench_cluster() {
 }
 
 stage_bench_dwconv() {
-  run_stage bench-dwconv bench_dwconv.log "$PY" scripts/bench_dwconv.py --batch 128 --variants t4v8 t4v4 t0v4 t0v8 t1v4 t1v8 \
+  run_stage bench-dwconv bench_dwconv.log "$PY" scripts/bench_dwconv.py --batch 128 --variants "" t0v4 t0v8 t1v4 t1v8 \
     --json "$OUT/bench_dwconv.json"
 }
 

@@ -13,9 +13,9 @@ Groups:
 * ``cluster``: the thread-block-cluster kernels forced (``GSPN2_KERNEL=cluster``; Hopper only), forward
   and backward, fp32 / bf16 / fp16, K < C and chunk restarts. The backward runs through autograd, i.e. on
   autograd's device thread, where the kernels must bind the CUDA context themselves.
-* ``dwconv``: the depthwise convolution kernel forced for every kernel size (``GSPN2_DWCONV=cuda``) with
-  each tile / vector-width variant, with and without the residual, and the inference-only fused SiLU; the
-  tile kernels also on shapes whose backward CTAs loop over several tiles.
+* ``dwconv``: the depthwise convolution kernels forced for every kernel size (``GSPN2_DWCONV=cuda``) with
+  both backwards and both column counts, with and without the residual, and the inference-only fused SiLU;
+  also on shapes whose backward CTAs loop over several tiles.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ DWCONV_CHUNK_CASES = [
     (33, 1024, 7, 7, 3, True, "bfloat16"),
     (33, 1024, 7, 7, 7, False, "float32"),
 ]
-# (family, pixels, channels) per thread of the row kernels; (family, -, output columns) of the tile kernels
-DWCONV_VARIANTS = [("row", 4, 8), ("row", 4, 4), ("row", 8, 8), ("row", 8, 4), ("tile", 4, 4), ("tile", 4, 8), ("fused", 4, 4), ("fused", 4, 8)]
+# (backward: `dwconv_kernel`, output columns per thread)
+DWCONV_VARIANTS = [("tile", 4), ("tile", 8), ("fused", 4), ("fused", 8)]
 
 
 def run_op(cases) -> None:
@@ -75,12 +75,9 @@ def run_dwconv() -> None:
 
     from gspn2.ops import depthwise_conv2d, options
 
-    for family, tile, vec in DWCONV_VARIANTS:
-        if family == "row":
-            options.set_options(dwconv_kernel="row", dwconv_tile=tile, dwconv_vec=vec)
-        else:
-            options.set_options(dwconv_kernel=family, dwconv_tile_cols=vec)
-        for B, C, H, W, k, residual, dt in DWCONV_CASES + (DWCONV_CHUNK_CASES if family != "row" else []):
+    for family, cols in DWCONV_VARIANTS:
+        options.set_options(dwconv_kernel=family, dwconv_tile_cols=cols)
+        for B, C, H, W, k, residual, dt in DWCONV_CASES + DWCONV_CHUNK_CASES:
             x = torch.randn(B, C, H, W, device="cuda", dtype=getattr(torch, dt))
             x = x.to(memory_format=torch.channels_last).requires_grad_()
             w = torch.randn(C, 1, k, k, device="cuda", requires_grad=True)

@@ -1,7 +1,7 @@
-// Host side of the depthwise convolution kernels (dwconv_tile.cu, dwconv_kernel.cu): checks, layouts,
-// allocation, and the registration of the CUDA implementations of gspn2::depthwise_conv2d and
-// gspn2::depthwise_conv2d_backward (schemas: gspn2/ops/dwconv.py) with their autograd formula for CUDA
-// tensors. The kernel family and variant arrive as op arguments (`tile`, `vec`).
+// Host side of the depthwise convolution kernels (dwconv_tile.cu): checks, layouts, allocation, and the
+// registration of the CUDA implementations of gspn2::depthwise_conv2d and gspn2::depthwise_conv2d_backward
+// (schemas: gspn2/ops/dwconv.py) with their autograd formula for CUDA tensors. The backward's form and the
+// columns per thread arrive as op arguments (`kernel`, `cols`).
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -43,10 +43,11 @@ at::Tensor nhwc(const at::Tensor& t) {
   return c;
 }
 
-// Output pixels per thread (`tile`) and channels per thread of the 16-bit kernels (`vec`), dwconv.h.
-void check_variant(int64_t tile, int64_t vec) {
-  GSPN2_DW_CHECK(tile == 0 || tile == 1 || tile == 4 || tile == 8, "`tile` must be 0, 1, 4 or 8, got ", tile);
-  GSPN2_DW_CHECK(vec == 4 || vec == 8, "`vec` must be 4 or 8, got ", vec);
+// `kernel`: 0, the input-gradient and weight-gradient kernels, or 1, the one-pass backward; `cols`: output
+// columns per thread (dwconv.h).
+void check_variant(int64_t kernel, int64_t cols) {
+  GSPN2_DW_CHECK(kernel == 0 || kernel == 1, "`kernel` must be 0 or 1, got ", kernel);
+  GSPN2_DW_CHECK(cols == 4 || cols == 8, "`cols` must be 4 or 8, got ", cols);
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xname) {
@@ -67,20 +68,14 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xna
   GSPN2_DW_CHECK(x.numel() < (int64_t(1) << 31) * 16, "`", xname, "` is too large: ", x.sizes());
 }
 
-// (C, 1, K, K) -> (K*K, C) float32, taps row-major (the row kernels).
-at::Tensor taps_of(const at::Tensor& weight) {
-  return weight.detach().reshape({weight.size(0), -1}).t().to(at::kFloat).contiguous();
-}
-
-// (C, 1, K, K) -> (C, K*K) float32 (the tile kernels): a view of a contiguous float32 weight.
+// (C, 1, K, K) -> (C, K*K) float32: a view of a contiguous float32 weight.
 at::Tensor weight_rows(const at::Tensor& weight) {
   return weight.detach().reshape({weight.size(0), -1}).to(at::kFloat).contiguous();
 }
 
 at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          bool add_input, bool silu, int64_t tile, int64_t vec) {
-  check_variant(tile, vec);
-  if (tile == 1) tile = 0;  // the one-pass backward's forward is the tile kernels' forward
+                          bool add_input, bool silu, int64_t kernel, int64_t cols) {
+  check_variant(kernel, cols);  // both kernels share the forward
   check_common(x_, weight, "x");
   const int64_t C = x_.size(1);
   if (bias.has_value()) {
@@ -92,15 +87,15 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   }
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = nhwc(x_);
-  const at::Tensor taps = tile == 0 ? weight_rows(weight) : taps_of(weight);
+  const at::Tensor w = weight_rows(weight);
   at::Tensor b32;
   if (bias.has_value()) b32 = bias->detach().to(at::kFloat).contiguous();
   at::Tensor y = at::empty_like(x, x.options(), at::MemoryFormat::ChannelsLast);
   DwConvForwardParams p;
   p.x = x.data_ptr();
-  (tile == 0 ? p.weight : p.taps) = taps.data_ptr<float>();
+  p.weight = w.data_ptr<float>();
   p.bias = bias.has_value() ? b32.data_ptr<float>() : nullptr;
-  p.residual = add_input ? x.data_ptr() : nullptr;
+  p.add_input = add_input;
   p.y = y.data_ptr();
   p.B = int(x.size(0));
   p.C = int(C);
@@ -109,18 +104,17 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   p.K = int(weight.size(2));
   p.silu = silu;
   p.dtype = dw_scalar_type(x.scalar_type());
-  p.tile = int(tile);
-  p.vec = int(vec);
+  p.cols = int(cols);
   p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = dwconv_forward_launch(p);
+  const std::string err = dwconv_tile_forward_launch(p);
   GSPN2_DW_CHECK(err.empty(), err);
   // The op promises x's strides (its fake implementation is empty_like(x)).
   if (!x_.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::empty_like(x_).copy_(y);
   return y;
 }
 
-// The tile kernels' weight and bias gradients (float32 (C, 1, K, K) and (C,)), and with `grad_x` (allocated
-// channels-last like gy) the input gradient in the same pass.
+// The weight and bias gradients (float32 (C, 1, K, K) and (C,)), and with `grad_x` (allocated channels-last
+// like gy) the input gradient in the same pass (the one-pass backward).
 void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Tensor& weight, int cols,
                        at::Tensor* grad_x, bool add_input, at::Tensor& grad_w, at::Tensor& grad_b) {
   const at::Tensor x = nhwc(x_);
@@ -133,8 +127,7 @@ void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Ten
   grad_w = at::empty({C, 1, K, K}, f32);
   grad_b = at::empty({C}, f32);
   DwConvWgradParams p;
-  p.plan.tile = 0;
-  p.plan.vec = cols;
+  p.cols = cols;
   p.grad_y = gy.data_ptr();
   p.x = x.data_ptr();
   if (grad_x != nullptr) {
@@ -148,14 +141,14 @@ void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Ten
   p.B = B, p.C = C, p.H = H, p.W = W, p.K = K;
   p.dtype = dw_scalar_type(x.scalar_type());
   p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = dwconv_wgrad_launch(p);
+  const std::string err = dwconv_tile_wgrad_launch(p);
   GSPN2_DW_CHECK(err.empty(), err);
 }
 
-// [grad_x (x's dtype, channels_last; undefined unless need_input), grad_weight (C, 1, K, K) and grad_bias (C,)
-// in float32 (undefined unless need_weight)].
+// grad_x (x's dtype, channels_last), grad_weight (C, 1, K, K) and grad_bias (C,) in float32: the one-pass
+// backward (`kernel` 1), or the forward kernel on grad_y with the flipped taps and the weight-gradient kernel.
 std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at::Tensor& x_, const at::Tensor& weight,
-                                            bool add_input, bool need_input, bool need_weight, int tile, int vec) {
+                                            bool add_input, int kernel, int cols) {
   check_common(x_, weight, "x");
   check_common(grad_y_, weight, "grad_y");
   GSPN2_DW_CHECK(grad_y_.sizes() == x_.sizes(), "`grad_y` must have x's shape ", x_.sizes(), ", got ",
@@ -165,59 +158,26 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
   GSPN2_DW_CHECK(grad_y_.device() == x_.device(), "`grad_y` must be on ", x_.device(), ", got ", grad_y_.device());
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor gy = nhwc(grad_y_);
-  const int B = int(x_.size(0)), C = int(x_.size(1)), H = int(x_.size(2)), W = int(x_.size(3));
-  const int K = int(weight.size(2));
-  const ScalarType dtype = dw_scalar_type(x_.scalar_type());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor grad_x, grad_w, grad_b;
-  if (tile == 1 && need_input && need_weight) {  // the tile kernels' one-pass backward
-    grad_x = at::empty_like(gy, gy.options(), at::MemoryFormat::ChannelsLast);
-    tile_weight_grads(gy, x_, weight, vec, &grad_x, add_input, grad_w, grad_b);
+  at::Tensor grad_x = at::empty_like(gy, gy.options(), at::MemoryFormat::ChannelsLast), grad_w, grad_b;
+  if (kernel == 1) {
+    tile_weight_grads(gy, x_, weight, cols, &grad_x, add_input, grad_w, grad_b);
     return {grad_x, grad_w, grad_b};
   }
-  if (tile == 1) tile = 0;
-  if (need_input) {
-    const at::Tensor taps = tile == 0 ? weight_rows(weight) : taps_of(weight);
-    grad_x = at::empty_like(gy, gy.options(), at::MemoryFormat::ChannelsLast);
-    DwConvForwardParams p;
-    p.x = gy.data_ptr();
-    (tile == 0 ? p.weight : p.taps) = taps.data_ptr<float>();
-    p.residual = add_input ? gy.data_ptr() : nullptr;
-    p.y = grad_x.data_ptr();
-    p.B = B, p.C = C, p.H = H, p.W = W, p.K = K;
-    p.flip = true;
-    p.dtype = dtype;
-    p.tile = tile;
-    p.vec = vec;
-    p.stream = stream;
-    const std::string err = dwconv_forward_launch(p);
-    GSPN2_DW_CHECK(err.empty(), err);
-  }
-  if (need_weight && tile == 0) {
-    tile_weight_grads(gy, x_, weight, vec, nullptr, false, grad_w, grad_b);
-  } else if (need_weight) {
-    const at::Tensor x = nhwc(x_);
-    const auto f32 = x.options().dtype(at::kFloat);
-    at::Tensor out = at::empty({K * K + 1, C}, f32);
-    if (x.numel() == 0) {
-      out.zero_();
-    } else {
-      DwConvWgradParams p;
-      p.plan = dwconv_wgrad_plan(B, H, W, C, K, dtype, tile, vec);
-      at::Tensor partial = at::empty({p.plan.chunks, K * K + 1, C}, f32);
-      p.grad_y = gy.data_ptr();
-      p.x = x.data_ptr();
-      p.partial = partial.data_ptr<float>();
-      p.out = out.data_ptr<float>();
-      p.B = B, p.C = C, p.H = H, p.W = W, p.K = K;
-      p.dtype = dtype;
-      p.stream = stream;
-      const std::string err = dwconv_wgrad_launch(p);
-      GSPN2_DW_CHECK(err.empty(), err);
-    }
-    grad_w = out.narrow(0, 0, K * K).t().reshape({C, 1, K, K});
-    grad_b = out.select(0, K * K);
-  }
+  const at::Tensor w = weight_rows(weight);
+  DwConvForwardParams p;
+  p.x = gy.data_ptr();
+  p.weight = w.data_ptr<float>();
+  p.add_input = add_input;
+  p.y = grad_x.data_ptr();
+  p.B = int(x_.size(0)), p.C = int(x_.size(1)), p.H = int(x_.size(2)), p.W = int(x_.size(3));
+  p.K = int(weight.size(2));
+  p.flip = true;
+  p.dtype = dw_scalar_type(x_.scalar_type());
+  p.cols = cols;
+  p.stream = c10::cuda::getCurrentCUDAStream();
+  const std::string err = dwconv_tile_forward_launch(p);
+  GSPN2_DW_CHECK(err.empty(), err);
+  tile_weight_grads(gy, x_, weight, cols, nullptr, false, grad_w, grad_b);
   return {grad_x, grad_w, grad_b};
 }
 
@@ -225,9 +185,9 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
 // grad_bias in the weight's dtype (grad_bias zeros without a bias).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                                const at::Tensor& weight, bool has_bias, bool add_input,
-                                                               int64_t tile, int64_t vec) {
-  check_variant(tile, vec);
-  std::vector<at::Tensor> g = dwconv_backward_raw(grad_y, x, weight, add_input, true, true, int(tile), int(vec));
+                                                               int64_t kernel, int64_t cols) {
+  check_variant(kernel, cols);
+  std::vector<at::Tensor> g = dwconv_backward_raw(grad_y, x, weight, add_input, int(kernel), int(cols));
   at::Tensor grad_x = g[0];
   if (!x.is_contiguous(at::MemoryFormat::ChannelsLast)) grad_x = at::empty_like(x).copy_(grad_x);
   at::Tensor grad_b = has_bias ? g[2].to(weight.scalar_type()) : at::zeros({weight.size(0)}, weight.options());
@@ -238,8 +198,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_backward(const at::Tensor&
 class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, bool add_input, bool silu, int64_t tile,
-                            int64_t vec) {
+                            const std::optional<at::Tensor>& bias, bool add_input, bool silu, int64_t kernel,
+                            int64_t cols) {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("gspn2::depthwise_conv2d", "")
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -247,14 +207,14 @@ class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
     at::Tensor y;
     {
       at::AutoDispatchBelowADInplaceOrView below;
-      y = op.call(x, weight, bias, add_input, silu, tile, vec);
+      y = op.call(x, weight, bias, add_input, silu, kernel, cols);
     }
     ctx->save_for_backward({x, weight});
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     ctx->saved_data["add_input"] = add_input;
     ctx->saved_data["silu"] = silu;
-    ctx->saved_data["tile"] = tile;
-    ctx->saved_data["vec"] = vec;
+    ctx->saved_data["kernel"] = kernel;
+    ctx->saved_data["cols"] = cols;
     return y;
   }
 
@@ -274,14 +234,14 @@ class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
                                                       ? at::MemoryFormat::ChannelsLast
                                                       : at::MemoryFormat::Contiguous);
     auto [grad_x, grad_w, grad_b] = op.call(grad_y, x, saved[1], has_bias, ctx->saved_data["add_input"].toBool(),
-                                            ctx->saved_data["tile"].toInt(), ctx->saved_data["vec"].toInt());
+                                            ctx->saved_data["kernel"].toInt(), ctx->saved_data["cols"].toInt());
     return {grad_x, grad_w, has_bias ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor dwconv_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                           bool add_input, bool silu, int64_t tile, int64_t vec) {
-  return DwConvFunction::apply(x, weight, bias, add_input, silu, tile, vec);
+                           bool add_input, bool silu, int64_t kernel, int64_t cols) {
+  return DwConvFunction::apply(x, weight, bias, add_input, silu, kernel, cols);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Depthwise convolution: the shared-memory tile kernels (tile 0 and 1; dwconv.h). A CTA owns kTileLanes
+// Depthwise convolution: the shared-memory tile kernels (kernel 0, and 1 with the one-pass backward; dwconv.h). A CTA owns kTileLanes
 // channels (lane = channel) of one spatial tile of sub_h x sub_w warp tiles; each thread computes
 // kTileRows x CW output pixels of its channel. The tile's input and its halo are copied once into shared
 // memory in the tensor's dtype by cp.async (16-byte copies that skip registers; zero-filled outside the
@@ -18,11 +18,32 @@
 #include <mutex>
 #include <tuple>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "dwconv.h"
-#include "dwconv_device.cuh"
 
 namespace gspn2 {
 namespace {
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// The CUDA error of the last launch, or an empty string.
+std::string last_launch_error() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string("CUDA error: ") + cudaGetErrorString(err);
+}
 
 // 16-byte global-to-shared copies that skip registers (cp.async, sm_80 on; zeros where !valid), completed by
 // cp_async_commit + cp_async_wait<N> (at most N of this thread's committed groups still in flight). Before
@@ -466,10 +487,9 @@ void launch_tile_forward(const DwConvForwardParams& p, const DwTilePlan& q) {
   const int per_block = std::max(1, resident_ctas<TileKernelTag<T, K, CW, 0>>(kernel, threads, q.smem_forward) /
                                         q.channel_blocks);
   const dim3 grid(unsigned(std::min<int64_t>(q.tiles, per_block)), unsigned(q.channel_blocks));
-  // The tile kernels add their own input: the residual must be x (forward) or grad_y (input gradient).
   kernel<<<grid, threads, q.smem_forward, p.stream>>>(
       static_cast<const T*>(p.x), p.weight, p.bias, static_cast<T*>(p.y), p.H, p.W, p.C, q.tiles_h, q.tiles_w,
-      q.sub_h, q.sub_w, int(q.tiles), p.flip, p.residual != nullptr, p.silu, tile_vec_ok(p.C, p.dtype));
+      q.sub_h, q.sub_w, int(q.tiles), p.flip, p.add_input, p.silu, tile_vec_ok(p.C, p.dtype));
 }
 
 template <typename T, int K, int CW>
@@ -592,12 +612,11 @@ DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int ele
 }
 
 std::string dwconv_tile_forward_launch(const DwConvForwardParams& p) {
-  if (p.residual != nullptr && p.residual != p.x) return "gspn2: the tile kernels add only their own input";
   std::string error;
   switch (p.dtype) {
-    case ScalarType::Float: error = dispatch_tile<float, TileForwardLauncher>(p, p.vec); break;
-    case ScalarType::Half: error = dispatch_tile<__half, TileForwardLauncher>(p, p.vec); break;
-    case ScalarType::BFloat16: error = dispatch_tile<__nv_bfloat16, TileForwardLauncher>(p, p.vec); break;
+    case ScalarType::Float: error = dispatch_tile<float, TileForwardLauncher>(p, p.cols); break;
+    case ScalarType::Half: error = dispatch_tile<__half, TileForwardLauncher>(p, p.cols); break;
+    case ScalarType::BFloat16: error = dispatch_tile<__nv_bfloat16, TileForwardLauncher>(p, p.cols); break;
   }
   return error.empty() ? last_launch_error() : error;
 }
@@ -605,9 +624,9 @@ std::string dwconv_tile_forward_launch(const DwConvForwardParams& p) {
 std::string dwconv_tile_wgrad_launch(const DwConvWgradParams& p) {
   std::string error;
   switch (p.dtype) {
-    case ScalarType::Float: error = dispatch_tile<float, TileWgradLauncher>(p, p.plan.vec); break;
-    case ScalarType::Half: error = dispatch_tile<__half, TileWgradLauncher>(p, p.plan.vec); break;
-    case ScalarType::BFloat16: error = dispatch_tile<__nv_bfloat16, TileWgradLauncher>(p, p.plan.vec); break;
+    case ScalarType::Float: error = dispatch_tile<float, TileWgradLauncher>(p, p.cols); break;
+    case ScalarType::Half: error = dispatch_tile<__half, TileWgradLauncher>(p, p.cols); break;
+    case ScalarType::BFloat16: error = dispatch_tile<__nv_bfloat16, TileWgradLauncher>(p, p.cols); break;
   }
   return error.empty() ? last_launch_error() : error;
 }

@@ -2,36 +2,30 @@
 
 cuDNN's depthwise kernels on channels_last bf16 tensors are a large share of a GSPN-2 step: every block runs
 three (two 3x3 local perception units on C channels and the mixer's 7x7 on its hidden width).
-:func:`depthwise_conv2d` computes the same function with gspn2's CUDA kernels (``gspn2/csrc/dwconv_tile.cu`` and
-``dwconv_kernel.cu``: forward, input gradient, weight and bias gradients; float32 weights and accumulation;
-deterministic) and
+:func:`depthwise_conv2d` computes the same function with gspn2's CUDA kernels (``gspn2/csrc/dwconv_tile.cu``:
+forward, input gradient, weight and bias gradients; float32 weights and accumulation; deterministic) and
 optionally adds the input (the ``x + DWConv(x)`` residual) or applies SiLU in the same pass.
 
 Ops (schemas here; the CUDA implementations and their autograd are registered in C++, ``gspn2/csrc/dwconv.cpp``;
 every other device runs ``F.conv2d`` / ``aten.convolution_backward`` with the autograd formula below):
 
-* ``gspn2::depthwise_conv2d(x, weight, bias, add_input, silu, tile, vec) -> y`` (``y`` has ``x``'s strides)
-* ``gspn2::depthwise_conv2d_backward(grad_y, x, weight, has_bias, add_input, tile, vec) -> (grad_x, grad_w, grad_b)``
+* ``gspn2::depthwise_conv2d(x, weight, bias, add_input, silu, kernel, cols) -> y`` (``y`` has ``x``'s strides)
+* ``gspn2::depthwise_conv2d_backward(grad_y, x, weight, has_bias, add_input, kernel, cols) -> (grad_x, grad_w, grad_b)``
 
-``tile`` and ``vec`` choose the kernel family and its variant (docs/kernel.md, "Depthwise convolution"):
+The kernels are *shared-memory tile* kernels (docs/kernel.md, "Depthwise convolution kernels"): a CTA stages
+an input tile with its halo once in shared memory and gives each thread 4 rows x ``cols`` (4 or 8) output
+pixels of one channel. ``kernel`` picks the backward: 0, an input-gradient kernel (the forward with flipped
+taps) and a weight-gradient kernel; 1, one pass that stages grad_y and x once for all three gradients.
 
-* ``tile`` 4 or 8: the *row* kernels, ``tile`` output pixels of a row and ``vec`` (4 or 8) channels per
-  thread, inputs read through L1;
-* ``tile`` 0: the *shared-memory tile* kernels, which stage a CTA's input tile with its halo once in shared
-  memory and give each thread 4 rows x ``vec`` (4 or 8) output pixels of one channel; the backward is an
-  input-gradient and a weight-gradient kernel;
-* ``tile`` 1: the tile kernels with a one-pass backward (grad_y and x staged once for all three gradients).
-
-The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_VARIANT`, the family and columns per
-thread that measured fastest for each kernel size; ``row``, ``tile``, ``fused``), ``dwconv_tile`` /
-``dwconv_vec`` the row kernels' variant and ``dwconv_tile_cols`` the columns per thread of an explicitly
-chosen tile family.
+The option ``dwconv_kernel`` picks the backward (``auto``: :data:`AUTO_VARIANT`, the backward and the columns
+that measured fastest for each kernel size; ``tile``: 0; ``fused``: 1), and ``dwconv_tile_cols`` the columns
+of an explicitly chosen one.
 
 The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
 
 * ``auto`` (default): the CUDA kernels for channels_last float32/float16/bfloat16 inputs with K = 3 or 7 when
-  the extension is built (the local perception units and the mixer, where the tile kernels measured 1.5-1.8x
-  faster than cuDNN; docs/benchmarks.md), ``F.conv2d`` (cuDNN) otherwise, called directly so that
+  the extension is built (the local perception units and the mixer, where the kernels measured 2.4x faster
+  than cuDNN over a training step; docs/benchmarks.md), ``F.conv2d`` (cuDNN) otherwise, called directly so that
   ``torch.compile`` sees a plain convolution.
 * ``cuda``: the kernels for every K in {3, 5, 7}, and an error where they cannot run.
 * ``cudnn``: always ``F.conv2d`` (comparisons, debugging).
@@ -59,7 +53,7 @@ __all__ = ["AUTO_KERNEL_SIZES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_avai
 KERNEL_SIZES = tuple(_cuda.limits()["dwconv_kernel_sizes"]) if _cuda.extension_available() else ()
 #: ... and those ``dwconv="auto"`` gives it (measured faster than cuDNN: scripts/bench_dwconv.py).
 AUTO_KERNEL_SIZES = (3, 7)
-#: The kernel family and output columns per thread ``dwconv_kernel="auto"`` runs for each kernel size: the
+#: The backward and the output columns per thread ``dwconv_kernel="auto"`` runs for each kernel size: the
 #: fastest forward plus backward, summed over gspn2_tiny's blocks, on the models' 3x3 and 7x7 shapes
 #: (docs/benchmarks.md, "The depthwise convolution kernel"): the one-pass backward with 8 columns for the 3x3,
 #: the tile kernels with 4 columns for the 7x7.
@@ -69,12 +63,12 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _LIB = torch.library.Library("gspn2", "FRAGMENT")
 _LIB.define(
-    "depthwise_conv2d(Tensor x, Tensor weight, Tensor? bias, bool add_input, bool silu, int tile, "
-    "int vec) -> Tensor"
+    "depthwise_conv2d(Tensor x, Tensor weight, Tensor? bias, bool add_input, bool silu, int kernel, "
+    "int cols) -> Tensor"
 )
 _LIB.define(
-    "depthwise_conv2d_backward(Tensor grad_y, Tensor x, Tensor weight, bool has_bias, bool add_input, int tile, "
-    "int vec) -> (Tensor, Tensor, Tensor)"
+    "depthwise_conv2d_backward(Tensor grad_y, Tensor x, Tensor weight, bool has_bias, bool add_input, int kernel, "
+    "int cols) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -124,11 +118,11 @@ def _check_flags(add_input, silu) -> None:
             raise TypeError(f"depthwise_conv2d: `{name}` must be a bool, got {type(v).__name__}")
 
 
-def _check_variant(tile: int, vec: int) -> None:
-    if tile not in (0, 1, 4, 8):
-        raise ValueError(f"gspn2: `tile` must be 0, 1, 4 or 8, got {tile}")
-    if vec not in (4, 8):
-        raise ValueError(f"gspn2: `vec` must be 4 or 8, got {vec}")
+def _check_variant(kernel: int, cols: int) -> None:
+    if kernel not in (0, 1):
+        raise ValueError(f"gspn2: `kernel` must be 0 or 1, got {kernel}")
+    if cols not in (4, 8):
+        raise ValueError(f"gspn2: `cols` must be 4 or 8, got {cols}")
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -174,16 +168,16 @@ def _conv_reference(x, weight, bias, add_input, silu, match_strides=True):
 
 
 @torch.library.impl(_LIB, "depthwise_conv2d", "CompositeExplicitAutograd")
-def _dwconv_reference(x, weight, bias, add_input, silu, tile, vec):
+def _dwconv_reference(x, weight, bias, add_input, silu, kernel, cols):
     _check(x, weight, bias)
-    _check_variant(tile, vec)
+    _check_variant(kernel, cols)
     return _conv_reference(x, weight, bias, add_input, silu)
 
 
 @torch.library.register_fake("gspn2::depthwise_conv2d", lib=_LIB)
-def _dwconv_fake(x, weight, bias, add_input, silu, tile, vec):
+def _dwconv_fake(x, weight, bias, add_input, silu, kernel, cols):
     _check(x, weight, bias)
-    _check_variant(tile, vec)
+    _check_variant(kernel, cols)
     return torch.empty_like(x)  # same shape, dtype and strides
 
 
@@ -200,18 +194,18 @@ def _backward_reference(grad_y, x, weight, has_bias, add_input):
 
 
 @torch.library.impl(_LIB, "depthwise_conv2d_backward", "CompositeExplicitAutograd")
-def _dwconv_backward_reference(grad_y, x, weight, has_bias, add_input, tile, vec):
+def _dwconv_backward_reference(grad_y, x, weight, has_bias, add_input, kernel, cols):
     _check(x, weight, None)
     _check_grad_y(grad_y, x)
-    _check_variant(tile, vec)
+    _check_variant(kernel, cols)
     return _backward_reference(grad_y, x, weight, has_bias, add_input)
 
 
 @torch.library.register_fake("gspn2::depthwise_conv2d_backward", lib=_LIB)
-def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input, tile, vec):
+def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input, kernel, cols):
     _check(x, weight, None)
     _check_grad_y(grad_y, x)
-    _check_variant(tile, vec)
+    _check_variant(kernel, cols)
     return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format), weight.new_empty(weight.shape[0])
 
 
@@ -225,10 +219,10 @@ refuse_nested(_LIB, "depthwise_conv2d_backward", _check_backward_call)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, add_input, silu, tile, vec = inputs
+    x, weight, bias, add_input, silu, kernel, cols = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
-    ctx.args = (add_input, tile, vec)
+    ctx.args = (add_input, kernel, cols)
     ctx.silu = silu
 
 
@@ -240,10 +234,10 @@ def _backward(ctx, grad_y):
             "SiLU separately whenever autograd records"
         )
     x, weight = ctx.saved_tensors
-    add_input, tile, vec = ctx.args
+    add_input, kernel, cols = ctx.args
     grad_x, grad_w, grad_b = torch.ops.gspn2.depthwise_conv2d_backward.default(
         grad_y.contiguous(memory_format=torch.channels_last) if _channels_last(x) else grad_y.contiguous(),
-        x, weight, ctx.has_bias, add_input, tile, vec,
+        x, weight, ctx.has_bias, add_input, kernel, cols,
     )
     return grad_x, grad_w, grad_b if ctx.has_bias else None, None, None, None, None
 
@@ -253,20 +247,18 @@ torch.library.register_autograd("gspn2::depthwise_conv2d", _backward, setup_cont
 
 
 def variant(kernel_size: int) -> tuple[int, int]:
-    """The ``(tile, vec)`` arguments of the op for this kernel size under the current options: ``(0, columns)``
-    for the shared-memory tile kernels, ``(pixels, channels)`` per thread for the row kernels."""
+    """The ``(kernel, cols)`` arguments of the op for this kernel size under the current options: the backward
+    (0: input-gradient and weight-gradient kernels, 1: one pass) and the output columns per thread."""
     o = _options.current()
     family, cols = o.dwconv_kernel, o.dwconv_tile_cols
     if family == "auto":
         family, cols = AUTO_VARIANT.get(kernel_size, ("tile", 4))
-    if family == "row":
-        return o.dwconv_tile, o.dwconv_vec
     return (1 if family == "fused" else 0), cols
 
 
 def _dwconv(x, weight, bias, add_input, silu):
-    tile, vec = variant(weight.shape[-1])
-    return torch.ops.gspn2.depthwise_conv2d.default(x, weight, bias, add_input, silu, tile, vec)
+    kernel, cols = variant(weight.shape[-1])
+    return torch.ops.gspn2.depthwise_conv2d.default(x, weight, bias, add_input, silu, kernel, cols)
 
 
 def depthwise_conv2d(

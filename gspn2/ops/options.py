@@ -1,7 +1,7 @@
 """Process-wide choices of gspn2's op backends and kernels, parsed once.
 
 The ops take every choice as an argument (``torch.ops.gspn2.propagate(..., kernel, cluster_ctas)``,
-``torch.ops.gspn2.depthwise_conv2d(..., tile, vec)``); the public functions fill those arguments from the
+``torch.ops.gspn2.depthwise_conv2d(..., kernel, cols)``); the public functions fill those arguments from the
 options held here. They are read from the environment once, when gspn2 is imported, and can be changed in
 the process with :func:`set_options` or :func:`override` (under ``torch.compile``: before compiling).
 
@@ -18,14 +18,11 @@ environment         option                               values
 ``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
                     convolution on CUDA tensors          than cuDNN: K = 3, 7), ``cuda`` (every K it
                                                          supports, else an error), ``cudnn``
-(none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_VARIANT``: family
-                    kernel family                        and columns per kernel size), ``row``, ``tile``
-                                                         (shared-memory tiles), ``fused`` (tiles, one-pass
-                                                         backward)
-(none)              ``dwconv_tile``, ``dwconv_vec``:     4 or 8 each (benchmarks)
-                    the row kernels' pixels and
-                    channels per thread
-(none)              ``dwconv_tile_cols``: the tile       4 or 8 (benchmarks; ``auto`` picks its own)
+(none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_VARIANT``: the
+                    kernels' backward                    backward and columns per kernel size), ``tile``
+                                                         (input- and weight-gradient kernels), ``fused``
+                                                         (one-pass backward)
+(none)              ``dwconv_tile_cols``: the depthwise  4 or 8 (benchmarks; ``auto`` picks its own)
                     kernels' output columns per thread
 ==================  ===================================  ================================================
 
@@ -66,9 +63,9 @@ _CHOICES = {
     "backend": ("auto", "cuda", "reference"),
     "kernel": KERNELS,
     "dwconv": ("auto", "cuda", "cudnn"),
-    "dwconv_kernel": ("auto", "row", "tile", "fused"),
+    "dwconv_kernel": ("auto", "tile", "fused"),
 }
-_INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile": (4, 8), "dwconv_tile_cols": (4, 8), "dwconv_vec": (4, 8)}
+_INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": (4, 8)}
 _ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV}
 
 
@@ -81,8 +78,6 @@ class Options:
     cluster_ctas: int = 0
     dwconv: str = "auto"
     dwconv_kernel: str = "auto"
-    dwconv_tile: int = 4
-    dwconv_vec: int = 8
     dwconv_tile_cols: int = 4
 
     def __post_init__(self) -> None:

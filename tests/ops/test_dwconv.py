@@ -25,11 +25,9 @@ def _restore_options():
 
 
 def _set_variant(variant):
-    """``t<tile>v<vec>``: the row kernels (tile 4 or 8) or, for t0v<cols>, the shared-memory tile kernels."""
-    if variant.startswith(("t0", "t1")):
-        options.set_options(dwconv_kernel="tile" if variant[1] == "0" else "fused", dwconv_tile_cols=int(variant[3]))
-    else:
-        options.set_options(dwconv_kernel="row", dwconv_tile=int(variant[1]), dwconv_vec=int(variant[3]))
+    """``t<kernel>v<cols>``: the input- and weight-gradient kernels (kernel 0) or the one-pass backward (1), with
+    ``cols`` output columns per thread."""
+    options.set_options(dwconv_kernel="tile" if variant[1] == "0" else "fused", dwconv_tile_cols=int(variant[3]))
 
 
 def _reference(x, w, b, add, silu=False):
@@ -64,7 +62,7 @@ def test_silu_fused_in_inference_separate_under_autograd():
 def test_fused_silu_op_refuses_backward():
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
     w = torch.randn(2, 1, 3, 3)
-    y = torch.ops.gspn2.depthwise_conv2d(x, w, None, False, True, 4, 8)
+    y = torch.ops.gspn2.depthwise_conv2d(x, w, None, False, True, 0, 4)
     with pytest.raises(ValueError, match="`silu`=True has no backward"):
         y.sum().backward()
 
@@ -75,7 +73,7 @@ def test_opcheck(channels_last):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     w, b = torch.randn(4, 1, 3, 3, requires_grad=True), torch.randn(4, requires_grad=True)
-    torch.library.opcheck(torch.ops.gspn2.depthwise_conv2d.default, (x.requires_grad_(), w, b, True, False, 4, 8))
+    torch.library.opcheck(torch.ops.gspn2.depthwise_conv2d.default, (x.requires_grad_(), w, b, True, False, 0, 4))
 
 
 def test_autocast_keeps_the_residual_dtype():
@@ -110,22 +108,22 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 def test_backend_switch_is_validated():
     with pytest.raises(ValueError, match="GSPN2_DWCONV"):
         options.from_env({"GSPN2_DWCONV": "fast"})
-    for name, value in (("dwconv_vec", 2), ("dwconv_tile", 5), ("dwconv", "fast")):
+    for name, value in (("dwconv_tile_cols", 2), ("dwconv_kernel", "row"), ("dwconv", "fast")):
         with pytest.raises(ValueError, match=name):
             options.set_options(**{name: value})
     x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3)
-    for tile, vec in ((5, 8), (4, 2)):
-        with pytest.raises(ValueError, match="`tile` must be 0, 1, 4 or 8" if tile == 5 else "`vec` must be 4 or 8"):
-            torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, tile, vec)
+    for kernel, cols in ((4, 8), (0, 2)):
+        with pytest.raises(ValueError, match="`kernel` must be 0 or 1" if kernel == 4 else "`cols` must be 4 or 8"):
+            torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, kernel, cols)
 
 
 @cuda
 @pytest.mark.cuda
 def test_cuda_kernel_variant_is_validated():
     x, w, b = _cuda_case(1, 8, 5, 5, 3, torch.float32)
-    for tile, vec, match in ((5, 8, "`tile` must be 0, 1, 4 or 8"), (4, 2, "`vec` must be 4 or 8")):
+    for kernel, cols, match in ((4, 8, "`kernel` must be 0 or 1"), (0, 2, "`cols` must be 4 or 8")):
         with pytest.raises(ValueError, match=match):
-            torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, tile, vec)
+            torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, kernel, cols)
 
 
 def test_forced_kernel_explains_why_it_cannot_run():
@@ -147,15 +145,12 @@ def test_auto_gives_the_kernel_the_3x3_and_7x7():
 
 
 def test_kernel_family_options_give_the_op_variant():
-    options.set_options(dwconv_kernel="auto", dwconv_tile=8, dwconv_vec=4, dwconv_tile_cols=8)
-    # auto: its own family and columns per kernel size, whatever dwconv_tile_cols says
+    options.set_options(dwconv_kernel="auto", dwconv_tile_cols=8)
+    # auto: its own backward and columns per kernel size, whatever dwconv_tile_cols says
     assert [D.variant(k) for k in (3, 5, 7)] == [(1, 8), (0, 4), (0, 4)]
     options.set_options(dwconv_tile_cols=4)
     assert D.variant(3) == (1, 8)
-    options.set_options(dwconv_tile_cols=8)
-    options.set_options(dwconv_kernel="row")
-    assert D.variant(7) == (8, 4)
-    options.set_options(dwconv_kernel="tile")
+    options.set_options(dwconv_kernel="tile", dwconv_tile_cols=8)
     assert D.variant(7) == (0, 8)
     options.set_options(dwconv_kernel="fused", dwconv_tile_cols=4)
     assert D.variant(3) == (1, 4)
@@ -207,7 +202,7 @@ def _assert_matches_cudnn_fp32(N, C, H, W, K, add):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t8v8", "t8v4", "t0v4", "t0v8", "t1v4", "t1v8"])
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
 @pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
                                    (2, 17, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 6, 3, 1, 7, False)])
 def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
@@ -250,7 +245,7 @@ def test_cuda_forward_over_many_tiles_per_cta(K, variant):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("C,K", [(120, 7), (26, 7), (80, 3), (20, 5)])  # 8 or 4 channels, 1, 4 channels
-@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t0v4", "t0v8", "t1v4", "t1v8"])
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
 def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
     _set_variant(variant)
     x, w, b = _cuda_case(4, C, 28, 28, K, dtype)
@@ -276,7 +271,7 @@ def test_cuda_silu_fused_forward():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["t4v8", "t4v4", "t0v4", "t0v8", "t1v4", "t1v8"])
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
 @pytest.mark.parametrize("K", [3, 7])
 def test_cuda_deterministic(variant, K):
     options.set_options(dwconv="cuda")
