@@ -248,6 +248,14 @@ __device__ __forceinline__ void pipeline_tiles(int first, int end, int step, Sta
   }
 }
 
+// The weight-gradient kernels' split: CTA blockIdx.x takes tiles_per_chunk consecutive tiles (fewer in the
+// last chunk), a split that fixes the summation order.
+template <typename Stage, typename Compute>
+__device__ __forceinline__ void pipeline_chunk(int tiles, int tiles_per_chunk, Stage&& stage, Compute&& compute) {
+  const int first = int(blockIdx.x) * tiles_per_chunk;
+  pipeline_tiles(first, min(first + tiles_per_chunk, tiles), 1, stage, compute);
+}
+
 // Forward and input gradient: y = conv(x) (+ bias) (+ x, `add_input`, read from the staged tile) (then
 // SiLU); the input gradient is the convolution of grad_y with the flipped taps (`flip`), plus grad_y for
 // x + conv(x). Persistent CTAs: CTA i of a channel block computes tiles i, i + gridDim.x, ... (the grid is
@@ -326,9 +334,8 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, K == 7 && CW == 4 
   for (int t = 0; t < KK; ++t) acc[t] = 0.f;
   float accb = 0.f;
 
-  const int first = int(blockIdx.x) * tiles_per_chunk;
-  pipeline_tiles(
-      first, min(first + tiles_per_chunk, tiles), 1,
+  pipeline_chunk(
+      tiles, tiles_per_chunk,
       [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
         const int64_t img = int64_t(g.b) * H * W * C;
@@ -386,9 +393,8 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
   for (int t = 0; t < KK; ++t) acc_w[t] = 0.f;
   float accb = 0.f;
 
-  const int first = int(blockIdx.x) * tiles_per_chunk;
-  pipeline_tiles(
-      first, min(first + tiles_per_chunk, tiles), 1,
+  pipeline_chunk(
+      tiles, tiles_per_chunk,
       [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
         const int64_t img = int64_t(g.b) * H * W * C;
