@@ -1,6 +1,7 @@
 """Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_step.py; kernel time from a CUDA
-graph for scripts/bench_dwconv.py), the ``--aot-config`` option (scripts/bench_models.py,
-scripts/activation_memory.py) and image-size arguments (scripts/count.py, scripts/receptive_field.py)."""
+graph for scripts/bench_dwconv.py), a GSPN-2 model's depthwise convolution shapes (scripts/bench_dwconv.py,
+scripts/gpu_profile.py), the ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py)
+and image-size arguments (scripts/count.py, scripts/receptive_field.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["aot_config", "graph_ms", "median_ms", "parse_image_size"]
+__all__ = ["aot_config", "dwconv_shapes", "graph_ms", "median_ms", "parse_image_size"]
 
 
 def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | None = None) -> float:
@@ -67,6 +68,28 @@ def graph_ms(fn: Callable[[], object], reps: int = 20, iters: int = 10, warmup: 
         for _ in range(reps):
             fn()
     return median_ms(graph.replay, 1, iters, cuda=True) / reps
+
+
+def dwconv_shapes(model: str, resolution: int) -> list[tuple[int, int, int, bool, int]]:
+    """``(channels, side, kernel, add_input, calls)`` of each distinct depthwise convolution of a GSPN-2 model
+    (timm name) at a square input: per stage, the local perception units' 3x3 ``x + conv(x)`` (two per block)
+    and the mixer's 7x7 ``conv(x)`` (one per block), with how many times one forward pass calls it."""
+    import timm
+
+    net = timm.create_model(model)
+    stages = getattr(net, "stages", None)
+    if stages is None or not hasattr(stages[0].blocks[0], "lpu1"):
+        raise ValueError(f"dwconv_shapes: `model` must be a GSPN-2 model, got {model!r}")
+    shapes = []
+    side = ((resolution - 1) // 2) // 2 + 1  # the stem: two 3x3 stride-2 convolutions, padding 1
+    for i, stage in enumerate(stages):
+        if i > 0:
+            side = (side - 2) // 2 + 1  # a 2x2 stride-2 downsampler
+        block, n = stage.blocks[0], len(stage.blocks)
+        lpu, dw = block.lpu1.conv, block.mixer.conv_dw
+        shapes.append((lpu.in_channels, side, lpu.kernel_size[0], True, 2 * n))
+        shapes.append((dw.in_channels, side, dw.kernel_size[0], False, n))
+    return shapes
 
 
 def aot_config(items: list[str]) -> dict:

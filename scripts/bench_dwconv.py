@@ -24,26 +24,10 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the models)
-from gspn2.benchmark import graph_ms, median_ms
+from gspn2.benchmark import dwconv_shapes, graph_ms, median_ms
 from gspn2.ops import depthwise_conv2d, options
 from gspn2.ops.dwconv import kernel_available
 from gspn2.ops.dwconv import variant as variant_args
-
-
-def model_shapes(name: str, resolution: int) -> list[tuple[int, int, int, bool]]:
-    """(channels, side, kernel, add_input) of every distinct depthwise convolution in a block of each stage."""
-    model = timm.create_model(name)
-    shapes = []
-    side = resolution // 4
-    for i, stage in enumerate(model.stages):
-        if i > 0:
-            side = (side - 2) // 2 + 1
-        block = stage.blocks[0]
-        lpu = block.lpu1.conv
-        shapes.append((lpu.in_channels, side, lpu.kernel_size[0], True))
-        dw = block.mixer.conv_dw
-        shapes.append((dw.in_channels, side, dw.kernel_size[0], False))
-    return shapes
 
 
 def variant_options(variant: str) -> dict:
@@ -130,12 +114,16 @@ def main() -> None:
     head = " ".join(f"{v or 'default':>9s}" for _, v in variants)
     print(f"{'C':>5s} {'side':>5s} {'K':>2s} {'+x':>3s} | fwd ms: {'cuDNN':>7s} {head} | bwd ms: {'cuDNN':>7s} {head} | max err cuDNN / ours")
     tot = {v: [0.0, 0.0] for v in [("cudnn", "")] + variants}
-    for C, side, K, add in model_shapes(args.model, args.resolution):
+    step = {v: {3: 0.0, 7: 0.0} for v in tot}  # forward + backward times calls, per kernel size
+    for C, side, K, add, calls in dwconv_shapes(args.model, args.resolution):
         res = {v: run_case(C, side, K, add, args.batch, dtype, args.iters, *v, timing=args.timing) for v in tot}
+        for r in res.values():
+            r["calls"] = calls
         rows += list(res.values())
         for v, r in res.items():
             tot[v][0] += r["fwd_ms"]
             tot[v][1] += r["bwd_ms"]
+            step[v][K] = step[v].get(K, 0.0) + calls * (r["fwd_ms"] + r["bwd_ms"])
         c = res[("cudnn", "")]
         fw = " ".join(f"{res[v]['fwd_ms']:9.3f}" for v in variants)
         bw = " ".join(f"{res[v]['bwd_ms']:9.3f}" for v in variants)
@@ -147,6 +135,11 @@ def main() -> None:
         f, b = tot[v]
         print(f"sum (one block per stage), {v[1] or 'default'}: forward {c[0]:.3f} -> {f:.3f} ms ({c[0] / f:.2f}x), "
               f"backward {c[1]:.3f} -> {b:.3f} ms ({c[1] / b:.2f}x)")
+    cs = step[("cudnn", "")]
+    for v in variants:
+        per_k = ", ".join(f"{k}x{k} {cs[k]:.2f} -> {step[v][k]:.2f}" for k in sorted(step[v]) if step[v][k] or cs[k])
+        print(f"per training step (every block, forward + backward), {v[1] or 'default'}: {per_k} ms; all "
+              f"{sum(cs.values()):.2f} -> {sum(step[v].values()):.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype,

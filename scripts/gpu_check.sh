@@ -21,8 +21,8 @@
 #   bench-models  scripts/bench_models.py: $MODELS side by side (BENCH_ARGS, default "--modes eager")
 #   profile       scripts/profile_model.py: per-operator CUDA time of gspn2_tiny's training step and inference
 #   ddp           scripts/bench_ddp.py under torchrun on 1 GPU and on every GPU (needs 2 or more)
-#   ncu           scripts/gpu_profile.py: kernel variants, and Nsight Compute on the B16xC2x1024^2 op call;
-#                 skipped when ncu is not installed
+#   ncu           scripts/gpu_profile.py: kernel variants, and Nsight Compute on the B16xC2x1024^2 op call and
+#                 on the depthwise kernels of gspn2_tiny's shapes; skipped when ncu is not installed
 #
 # Every stage writes its log (and its JSON / Markdown results) to $OUT; a summary table (stage, status,
 # seconds, log) ends the output and is also written to $OUT/summary.md. The exit status is 0 when every
@@ -223,6 +223,10 @@ stage_ncu() {
   run_stage "ncu kernels" ncu_big.txt ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
     -k "regex:cluster|fast|reduce" -c 6 "$PY" scripts/gpu_profile.py run big
+  run_stage "ncu dwconv" ncu_dwconv.txt ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+    --metrics smsp__inst_executed.sum,smsp__sass_thread_inst_executed_op_ffma_pred_on.sum \
+    -k "regex:dwconv_tile" "$PY" scripts/gpu_profile.py dwconv
 }
 
 for stage in "${STAGES[@]}"; do

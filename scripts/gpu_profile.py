@@ -3,6 +3,12 @@ kernel families per shape.
 
     python scripts/gpu_profile.py run big s128                 # a few calls, for ncu
     python scripts/gpu_profile.py variants big m56             # a table of kernel families per shape
+    python scripts/gpu_profile.py dwconv                       # the depthwise kernels on gspn2_tiny's shapes
+    python scripts/gpu_profile.py dwconv t0v4 t1v8             # ... with these variants (bench_dwconv.py's names)
+
+``dwconv``: one forward and one backward op call per depthwise convolution shape of gspn2_tiny at 224^2
+(batch 128, bf16, channels_last), for ``ncu -k regex:dwconv_tile``; each call's variant and launch plan is
+printed first.
 
 Ablations (parts of the kernels skipped; results are wrong) are a build flag: build with
 ``GSPN2_ABLATE=<bits> pip install --no-build-isolation -e .`` (bits in gspn2/csrc/propagate.h,
@@ -15,7 +21,9 @@ import sys
 import torch
 
 import gspn2  # noqa: F401
-from gspn2.ops import _cuda
+from gspn2.benchmark import dwconv_shapes
+from gspn2.ops import _cuda, options
+from gspn2.ops.dwconv import variant as dwconv_variant
 
 SHAPES = {
     "big": (16, 2, 1024, 1024, 2, torch.float32),
@@ -29,8 +37,33 @@ SHAPES = {
 VARIANTS = ("auto", "fast", "general")
 
 
+DWCONV_VARIANTS = {"auto": {"dwconv_kernel": "auto"}} | {
+    f"t{k}v{c}": {"dwconv_kernel": "fused" if k else "tile", "dwconv_tile_cols": c} for k in (0, 1) for c in (4, 8)}
+
+
+def run_dwconv(variants: list[str]) -> None:
+    for spec in variants:
+        if spec not in DWCONV_VARIANTS:
+            raise SystemExit(f"gpu_profile.py dwconv: variants are auto or t<0|1>v<4|8>, got {spec!r}")
+    for spec in variants or ["auto"]:
+        options.set_options(dwconv="cuda", **DWCONV_VARIANTS[spec])
+        for C, side, K, add, _ in dwconv_shapes("gspn2_tiny", 224):
+            kernel, cols = dwconv_variant(K)
+            plan = _cuda.dwconv_plan(128, C, side, side, K, "bfloat16", cols)
+            print(f"{spec} C={C} side={side} K={K} kernel={kernel} cols={cols} plan={plan}", flush=True)
+            x = torch.randn(128, C, side, side, device="cuda").to(torch.bfloat16, memory_format=torch.channels_last)
+            w = torch.randn(C, 1, K, K, device="cuda") * 0.1
+            b = torch.randn(C, device="cuda")
+            torch.ops.gspn2.depthwise_conv2d(x, w, b, add, False, kernel, cols)
+            torch.ops.gspn2.depthwise_conv2d_backward(torch.randn_like(x), x, w, True, add, kernel, cols)
+    torch.cuda.synchronize()
+
+
 def main():
     mode, names = sys.argv[1], sys.argv[2:]
+    if mode == "dwconv":
+        run_dwconv(names)
+        return
     for name in names:
         B, C, H, W, K, dt = SHAPES[name]
         x = torch.randn(B, C, H, W, device="cuda", dtype=dt)

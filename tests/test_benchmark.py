@@ -1,4 +1,4 @@
-"""gspn2.benchmark.median_ms and graph_ms: call counts and argument checks (no timing assertions)."""
+"""gspn2.benchmark: median_ms and graph_ms (call counts and argument checks, no timing assertions), dwconv_shapes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 
 import torch
 
-from gspn2.benchmark import graph_ms, median_ms
+import gspn2  # noqa: F401  (registers the models)
+from gspn2.benchmark import dwconv_shapes, graph_ms, median_ms
 
 
 def test_runs_warmup_then_timed_calls():
@@ -42,3 +43,16 @@ def test_graph_ms_replays_the_captured_calls():
     # the warm-up, then 5 adds per replay: median_ms's one untimed replay and its 4 timed ones
     assert x.tolist() == [2.0 + 5 * (1 + 4)] * 4
     assert ms > 0.0
+
+
+def test_dwconv_shapes_of_a_model():
+    shapes = dwconv_shapes("gspn2_tiny", 224)
+    # per stage: the 3x3 LPU on C channels with its residual (two per block), the mixer's 7x7 on 1.5C (one);
+    # gspn2_tiny's depths are 2, 3, 8, 2
+    assert shapes[:2] == [(80, 56, 3, True, 4), (120, 56, 7, False, 2)]
+    assert shapes[-2:] == [(640, 7, 3, True, 4), (960, 7, 7, False, 2)]
+    assert [s[4] for s in shapes[1::2]] == [2, 3, 8, 2]
+    # an odd input: the stem's two stride-2 convolutions round up
+    assert dwconv_shapes("gspn2_tiny", 225)[0][1] == 57
+    with pytest.raises(ValueError, match="`model` must be a GSPN-2 model"):
+        dwconv_shapes("resnet18", 224)

@@ -3,6 +3,8 @@ reported absent by monkeypatching, so the check runs on GPU machines too."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -29,9 +31,7 @@ def test_bench_dwconv_refuses_without_a_gpu_and_checks_its_arguments(monkeypatch
         module.main()
 
 
-def test_bench_dwconv_model_shapes():
-    with script_module("bench_dwconv") as module:
-        shapes = module.model_shapes("gspn2_tiny", 224)
-    # per stage: the 3x3 LPU on C channels with its residual, the mixer's 7x7 on 1.5C
-    assert shapes[:2] == [(80, 56, 3, True), (120, 56, 7, False)]
-    assert shapes[-2:] == [(640, 7, 3, True), (960, 7, 7, False)]
+def test_gpu_profile_dwconv_refuses_an_unknown_variant_first(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["gpu_profile.py", "dwconv", "auto", "t9v4"])
+    with script_module("gpu_profile") as module, pytest.raises(SystemExit, match=re.escape("variants are auto or t<0|1>v<4|8>, got 't9v4'")):
+        module.main()
