@@ -66,10 +66,10 @@ def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtyp
                     gy, x, w16, [C], [1, 1], [K // 2, K // 2], [1, 1], False, [0, 0], C, [True, True, True])
                 return (gx + gy if add else gx), gw, gb
         else:
-            tile, vec = variant_args(K)
+            kernel, cols = variant_args(K)
 
             def backward():
-                return torch.ops.gspn2.depthwise_conv2d_backward.default(gy, x, w, True, add, tile, vec)
+                return torch.ops.gspn2.depthwise_conv2d_backward.default(gy, x, w, True, add, kernel, cols)
         bwd = graph_ms(backward, reps=20, iters=iters)
     grads = torch.autograd.grad(y, (xg, wg, bg), gy, retain_graph=True)
     # float32 cuDNN on the same values: the error of this backend's low-precision run
