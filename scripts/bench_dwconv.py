@@ -17,6 +17,7 @@ Needs a CUDA GPU and the built extension.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 
@@ -114,7 +115,7 @@ def main() -> None:
     head = " ".join(f"{v or 'default':>9s}" for _, v in variants)
     print(f"{'C':>5s} {'side':>5s} {'K':>2s} {'+x':>3s} | fwd ms: {'cuDNN':>7s} {head} | bwd ms: {'cuDNN':>7s} {head} | max err cuDNN / ours")
     tot = {v: [0.0, 0.0] for v in [("cudnn", "")] + variants}
-    step = {v: {3: 0.0, 7: 0.0} for v in tot}  # forward + backward times calls, per kernel size
+    step = {v: collections.Counter() for v in tot}  # forward + backward times calls, per kernel size
     for C, side, K, add, calls in dwconv_shapes(args.model, args.resolution):
         res = {v: run_case(C, side, K, add, args.batch, dtype, args.iters, *v, timing=args.timing) for v in tot}
         for r in res.values():
@@ -123,7 +124,7 @@ def main() -> None:
         for v, r in res.items():
             tot[v][0] += r["fwd_ms"]
             tot[v][1] += r["bwd_ms"]
-            step[v][K] = step[v].get(K, 0.0) + calls * (r["fwd_ms"] + r["bwd_ms"])
+            step[v][K] += calls * (r["fwd_ms"] + r["bwd_ms"])
         c = res[("cudnn", "")]
         fw = " ".join(f"{res[v]['fwd_ms']:9.3f}" for v in variants)
         bw = " ".join(f"{res[v]['bwd_ms']:9.3f}" for v in variants)
@@ -137,7 +138,7 @@ def main() -> None:
               f"backward {c[1]:.3f} -> {b:.3f} ms ({c[1] / b:.2f}x)")
     cs = step[("cudnn", "")]
     for v in variants:
-        per_k = ", ".join(f"{k}x{k} {cs[k]:.2f} -> {step[v][k]:.2f}" for k in sorted(step[v]) if step[v][k] or cs[k])
+        per_k = ", ".join(f"{k}x{k} {cs[k]:.2f} -> {step[v][k]:.2f}" for k in sorted(cs))
         print(f"per training step (every block, forward + backward), {v[1] or 'default'}: {per_k} ms; all "
               f"{sum(cs.values()):.2f} -> {sum(step[v].values()):.2f} ms")
     if args.json:

@@ -1,15 +1,15 @@
-// Depthwise convolution: the shared-memory tile kernels (kernel 0, and 1 with the one-pass backward; dwconv.h). A CTA owns kTileLanes
-// channels (lane = channel) of one spatial tile of sub_h x sub_w warp tiles; each thread computes
-// kTileRows x CW output pixels of its channel. The tile's input and its halo are copied once into shared
-// memory in the tensor's dtype by cp.async (16-byte copies that skip registers; zero-filled outside the
-// image), laid out [pixel][lane], so a warp reads one pixel's 32 channels (64 or 128 contiguous bytes, no
-// bank conflict) per load. Each thread keeps its channel's K * K taps (forward, input gradient) or K * K
-// partial sums (weight gradient) in float32 registers and slides over its (kTileRows + K - 1) x (CW + K - 1)
-// input window once, so every staged input feeds all the outputs (or taps) it contributes to: K * K FMAs per
-// output for (R + K - 1)(CW + K - 1) / (R * CW) shared loads.
+// Depthwise convolution: the shared-memory tile kernels (dwconv.h). A CTA owns kTileLanes channels
+// (lane = channel) of one spatial tile of sub_h x sub_w warp tiles; each thread computes kTileRows x CW output
+// pixels of its channel. The tile's input and its halo are copied into shared memory in the tensor's dtype by
+// cp.async (16-byte copies that skip registers; zero-filled outside the image), laid out [pixel][lane], so a
+// warp reads one pixel's 32 channels (64 or 128 contiguous bytes, no bank conflict) per load. Each thread
+// reads its channel's K * K taps (forward, input gradient) or keeps K * K partial sums (weight gradient) in
+// float32 and slides over its (kTileRows + K - 1) x (CW + K - 1) input window once, so every staged input
+// feeds all the outputs (or taps) it contributes to: K * K FMAs per output for
+// (R + K - 1)(CW + K - 1) / (R * CW) shared loads.
 // The backward runs as the input gradient (the forward kernel on grad_y with the flipped taps) and the
-// weight gradient (tile 0), or as one pass that stages grad_y and x once for both (tile 1). Both loop over a
-// chunk of tiles per CTA with two staging buffers: the copies of the next tile run while the current one
+// weight gradient (kernel 0), or as one pass that stages grad_y and x once for both (kernel 1). Every kernel
+// loops over tiles per CTA with two staging buffers: the copies of the next tile run while the current one
 // is computed.
 #include <algorithm>
 #include <atomic>
