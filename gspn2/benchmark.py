@@ -92,6 +92,23 @@ def dwconv_shapes(model: str, resolution: int) -> list[tuple[int, int, int, bool
     return shapes
 
 
+#: The depthwise kernel variants by name, ``t<kernel>v<cols>``: the op's ``kernel`` argument (0 ``tile``, 1
+#: ``fused``, 2 ``mma``; gspn2.ops.dwconv.FAMILIES) and the tile kernels' output columns per thread.
+DWCONV_VARIANTS = tuple(f"t{k}v{c}" for k in range(3) for c in (4, 8))
+
+
+def dwconv_variant_options(name: str) -> dict:
+    """The gspn2 options (:func:`gspn2.ops.options.set_options`) that select depthwise variant ``name``
+    (:data:`DWCONV_VARIANTS`; ``""`` or ``"auto"``: ``dwconv_kernel="auto"``)."""
+    from gspn2.ops.dwconv import FAMILIES
+
+    if name in ("", "auto"):
+        return {"dwconv_kernel": "auto"}
+    if name not in DWCONV_VARIANTS:
+        raise ValueError(f"a depthwise variant must be auto or one of {', '.join(DWCONV_VARIANTS)}, got {name!r}")
+    return {"dwconv_kernel": FAMILIES[int(name[1])], "dwconv_tile_cols": int(name[3])}
+
+
 def aot_config(items: list[str]) -> dict:
     """``["key=value", ...]`` -> ``{key: value}`` for ``torch._functorch.config.patch`` (the settings of
     AOTAutograd's partitioner, which decides what a compiled model saves for backward and what it

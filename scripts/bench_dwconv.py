@@ -25,26 +25,18 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the models)
-from gspn2.benchmark import dwconv_shapes, graph_ms, median_ms
+from gspn2.benchmark import DWCONV_VARIANTS, dwconv_shapes, dwconv_variant_options, graph_ms, median_ms
 from gspn2.ops import depthwise_conv2d, options
 from gspn2.ops.dwconv import kernel_available
 from gspn2.ops.dwconv import variant as variant_args
 
 
-def variant_options(variant: str) -> dict:
-    """The gspn2 options of a ``--variants`` entry (see run_case)."""
-    defaults = options.Options()
-    opts = dict(dwconv_kernel=defaults.dwconv_kernel, dwconv_tile_cols=defaults.dwconv_tile_cols)
-    if variant:
-        opts.update(dwconv_kernel="tile" if variant[1] == "0" else "fused", dwconv_tile_cols=int(variant[3]))
-    return opts
-
-
 def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
              variant: str = "", timing: str = "graph") -> dict:
-    """``variant``: ``t<kernel>v<cols>``: ``dwconv_kernel`` "tile" (kernel 0) or "fused" (kernel 1) with
-    ``dwconv_tile_cols`` = cols; "" for the defaults (``dwconv_kernel="auto"``)."""
-    options.set_options(**variant_options(variant), dwconv=backend)
+    """``variant``: ``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS: the op's ``kernel``, 0 ``tile``, 1
+    ``fused``, 2 ``mma``, with ``dwconv_tile_cols`` = cols); "" for the defaults (``dwconv_kernel="auto"``)."""
+    opts = {"dwconv_tile_cols": options.Options().dwconv_tile_cols, **dwconv_variant_options(variant)}
+    options.set_options(**opts, dwconv=backend)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, C, side, side, device="cuda", generator=g).to(dtype, memory_format=torch.channels_last)
     w = torch.randn(C, 1, K, K, device="cuda", generator=g) * 0.1
@@ -91,9 +83,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", nargs="+", default=[""], choices=["", "t0v4", "t0v8", "t1v4", "t1v8"],
-                    help="kernel variants to time: t<kernel>v<cols> (kernel 0: input- and weight-gradient kernels, "
-                         "1: one-pass backward; <cols> output columns per thread); '' = the defaults (auto)")
+    ap.add_argument("--variants", nargs="+", default=[""], choices=["", *DWCONV_VARIANTS],
+                    help="kernel variants to time: t<kernel>v<cols> (kernel 0: tile input- and weight-gradient "
+                         "kernels, 1: tile one-pass backward, 2: tensor-core forward and input gradient; <cols>: the "
+                         "tile kernels' output columns per thread); '' = the defaults (auto)")
     ap.add_argument("--timing", choices=["graph", "events"], default="graph",
                     help="graph: the ops replayed from a CUDA graph (kernel time; the backward op called directly); "
                          "events: CUDA events around each Python call (forward, and autograd.grad for the backward), "

@@ -7,7 +7,7 @@ kernel families per shape.
     python scripts/gpu_profile.py dwconv t0v4 t1v8             # ... with these variants (bench_dwconv.py's names)
 
 ``dwconv``: one forward and one backward op call per depthwise convolution shape of gspn2_tiny at 224^2
-(batch 128, bf16, channels_last), for ``ncu -k regex:dwconv_tile``; each call's variant and launch plan is
+(batch 128, bf16, channels_last), for ``ncu -k "regex:dwconv_(tile|mma)"``; each call's variant and launch plan is
 printed first.
 
 Ablations (parts of the kernels skipped; results are wrong) are a build flag: build with
@@ -21,7 +21,7 @@ import sys
 import torch
 
 import gspn2  # noqa: F401
-from gspn2.benchmark import dwconv_shapes
+from gspn2.benchmark import dwconv_shapes, dwconv_variant_options
 from gspn2.ops import _cuda, options
 from gspn2.ops.dwconv import variant as dwconv_variant
 
@@ -37,16 +37,13 @@ SHAPES = {
 VARIANTS = ("auto", "fast", "general")
 
 
-DWCONV_VARIANTS = {"auto": {"dwconv_kernel": "auto"}} | {
-    f"t{k}v{c}": {"dwconv_kernel": "fused" if k else "tile", "dwconv_tile_cols": c} for k in (0, 1) for c in (4, 8)}
-
-
 def run_dwconv(variants: list[str]) -> None:
-    for spec in variants:
-        if spec not in DWCONV_VARIANTS:
-            raise SystemExit(f"gpu_profile.py dwconv: variants are auto or t<0|1>v<4|8>, got {spec!r}")
-    for spec in variants or ["auto"]:
-        options.set_options(dwconv="cuda", **DWCONV_VARIANTS[spec])
+    try:
+        chosen = [dwconv_variant_options(spec) for spec in variants or ["auto"]]
+    except ValueError as e:
+        raise SystemExit(f"gpu_profile.py dwconv: {e}")
+    for opts in chosen:
+        options.set_options(dwconv="cuda", **opts)
         for C, side, K, add, _ in dwconv_shapes("gspn2_tiny", 224):
             kernel, cols = dwconv_variant(K)
             plan = _cuda.dwconv_plan(128, C, side, side, K, "bfloat16", cols)
