@@ -92,9 +92,10 @@ def dwconv_shapes(model: str, resolution: int) -> list[tuple[int, int, int, bool
     return shapes
 
 
-#: The depthwise kernel variants by name, ``t<kernel>v<cols>``: the op's ``kernel`` argument (0 ``tile``, 1
-#: ``fused``, 2 ``mma``; gspn2.ops.dwconv.FAMILIES) and the tile kernels' output columns per thread.
-DWCONV_VARIANTS = tuple(f"t{k}v{c}" for k in range(3) for c in (4, 8))
+#: The depthwise kernel variants by name, ``t<kernel>v<cols>``: the op's ``kernel`` argument (0 ``tile``, the
+#: input- and weight-gradient kernels; 1 ``fused``, the one-pass backward; gspn2.ops.dwconv.FAMILIES) and the
+#: output columns per thread.
+DWCONV_VARIANTS = tuple(f"t{k}v{c}" for k in range(2) for c in (4, 8))
 
 
 def dwconv_variant_options(name: str) -> dict:

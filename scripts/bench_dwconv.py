@@ -33,8 +33,8 @@ from gspn2.ops.dwconv import variant as variant_args
 
 def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
              variant: str = "", timing: str = "graph") -> dict:
-    """``variant``: ``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS: the op's ``kernel``, 0 ``tile``, 1
-    ``fused``, 2 ``mma``, with ``dwconv_tile_cols`` = cols); "" for the defaults (``dwconv_kernel="auto"``)."""
+    """``variant``: ``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS: ``dwconv_kernel`` "tile" (kernel 0)
+    or "fused" (kernel 1) with ``dwconv_tile_cols`` = cols); "" for the defaults (``dwconv_kernel="auto"``)."""
     opts = {"dwconv_tile_cols": options.Options().dwconv_tile_cols, **dwconv_variant_options(variant)}
     options.set_options(**opts, dwconv=backend)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -84,9 +84,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=[""], choices=["", *DWCONV_VARIANTS],
-                    help="kernel variants to time: t<kernel>v<cols> (kernel 0: tile input- and weight-gradient "
-                         "kernels, 1: tile one-pass backward, 2: tensor-core forward and input gradient; <cols>: the "
-                         "tile kernels' output columns per thread); '' = the defaults (auto)")
+                    help="kernel variants to time: t<kernel>v<cols> (kernel 0: input- and weight-gradient kernels, "
+                         "1: one-pass backward; <cols> output columns per thread); '' = the defaults (auto)")
     ap.add_argument("--timing", choices=["graph", "events"], default="graph",
                     help="graph: the ops replayed from a CUDA graph (kernel time; the backward op called directly); "
                          "events: CUDA events around each Python call (forward, and autograd.grad for the backward), "

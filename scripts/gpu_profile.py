@@ -7,7 +7,7 @@ kernel families per shape.
     python scripts/gpu_profile.py dwconv t0v4 t1v8             # ... with these variants (bench_dwconv.py's names)
 
 ``dwconv``: one forward and one backward op call per depthwise convolution shape of gspn2_tiny at 224^2
-(batch 128, bf16, channels_last), for ``ncu -k "regex:dwconv_(tile|mma)"``; each call's variant and launch plan is
+(batch 128, bf16, channels_last), for ``ncu -k regex:dwconv_tile``; each call's variant and launch plan is
 printed first.
 
 Ablations (parts of the kernels skipped; results are wrong) are a build flag: build with

@@ -51,8 +51,8 @@ DWCONV_CHUNK_CASES = [
     (33, 1024, 7, 7, 3, True, "bfloat16"),
     (33, 1024, 7, 7, 7, False, "float32"),
 ]
-# (variant: `dwconv_kernel`, the tile kernels' output columns per thread)
-DWCONV_VARIANTS = [("tile", 4), ("tile", 8), ("fused", 4), ("fused", 8), ("mma", 4)]
+# (backward: `dwconv_kernel`, output columns per thread)
+DWCONV_VARIANTS = [("tile", 4), ("tile", 8), ("fused", 4), ("fused", 8)]
 
 
 def run_op(cases) -> None:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gspn2  # noqa: F401  (registers the models)
-from gspn2.benchmark import dwconv_shapes, graph_ms, median_ms
+from gspn2.benchmark import DWCONV_VARIANTS, dwconv_shapes, dwconv_variant_options, graph_ms, median_ms
+from gspn2.ops import dwconv, options
 
 
 def test_runs_warmup_then_timed_calls():
@@ -56,3 +57,21 @@ def test_dwconv_shapes_of_a_model():
     assert dwconv_shapes("gspn2_tiny", 225)[0][1] == 57
     with pytest.raises(ValueError, match="`model` must be a GSPN-2 model"):
         dwconv_shapes("resnet18", 224)
+
+
+def test_dwconv_variant_names_select_the_op_arguments():
+    """Each ``t<kernel>v<cols>`` name sets the options whose op arguments are (kernel, cols); auto keeps
+    AUTO_VARIANT; anything else is refused by name."""
+    saved = options.current()
+    try:
+        for name in DWCONV_VARIANTS:
+            options.set_options(**dwconv_variant_options(name))
+            assert dwconv.variant(7) == (int(name[1]), int(name[3])), name
+        for name in ("", "auto"):
+            options.set_options(**dwconv_variant_options(name))
+            assert dwconv.variant(3) == (dwconv.FAMILIES.index(dwconv.AUTO_VARIANT[3][0]), dwconv.AUTO_VARIANT[3][1])
+        for bad in ("t2v4", "t0v2", "tile", "T0V4"):
+            with pytest.raises(ValueError, match="depthwise variant"):
+                dwconv_variant_options(bad)
+    finally:
+        options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})

@@ -43,19 +43,11 @@ at::Tensor nhwc(const at::Tensor& t) {
   return c;
 }
 
-// `kernel`: 0, the tile kernels with an input-gradient and a weight-gradient kernel; 1, the tile kernels with
-// the one-pass backward; 2, the tensor-core forward and input gradient (16-bit inputs, compute capability 8.0
-// or newer; the tile kernels otherwise) with the tile weight gradient. `cols`: the tile kernels' output columns
-// per thread (dwconv.h).
+// `kernel`: 0, the input-gradient and weight-gradient kernels, or 1, the one-pass backward; `cols`: output
+// columns per thread (dwconv.h).
 void check_variant(int64_t kernel, int64_t cols) {
-  GSPN2_DW_CHECK(kernel >= 0 && kernel <= 2, "`kernel` must be 0, 1 or 2, got ", kernel);
+  GSPN2_DW_CHECK(kernel == 0 || kernel == 1, "`kernel` must be 0 or 1, got ", kernel);
   GSPN2_DW_CHECK(cols == 4 || cols == 8, "`cols` must be 4 or 8, got ", cols);
-}
-
-// The forward (or, with p.flip, the input gradient) of variant `kernel`.
-std::string forward_launch(const DwConvForwardParams& p, int kernel) {
-  if (kernel == 2 && dwconv_mma_supported(p.dtype)) return dwconv_mma_forward_launch(p);
-  return dwconv_tile_forward_launch(p);
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xname) {
@@ -114,7 +106,7 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   p.dtype = dw_scalar_type(x.scalar_type());
   p.cols = int(cols);
   p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = forward_launch(p, int(kernel));
+  const std::string err = dwconv_tile_forward_launch(p);
   GSPN2_DW_CHECK(err.empty(), err);
   // The op promises x's strides (its fake implementation is empty_like(x)).
   if (!x_.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::empty_like(x_).copy_(y);
@@ -154,8 +146,7 @@ void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Ten
 }
 
 // grad_x (x's dtype, channels_last), grad_weight (C, 1, K, K) and grad_bias (C,) in float32: the one-pass
-// backward (`kernel` 1), or the forward kernel of the variant on grad_y with the flipped taps and the tile
-// weight-gradient kernel.
+// backward (`kernel` 1), or the forward kernel on grad_y with the flipped taps and the weight-gradient kernel.
 std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at::Tensor& x_, const at::Tensor& weight,
                                             bool add_input, int kernel, int cols) {
   check_common(x_, weight, "x");
@@ -184,7 +175,7 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
   p.dtype = dw_scalar_type(x_.scalar_type());
   p.cols = cols;
   p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = forward_launch(p, kernel);
+  const std::string err = dwconv_tile_forward_launch(p);
   GSPN2_DW_CHECK(err.empty(), err);
   tile_weight_grads(gy, x_, weight, cols, nullptr, false, grad_w, grad_b);
   return {grad_x, grad_w, grad_b};

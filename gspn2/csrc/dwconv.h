@@ -81,22 +81,8 @@ struct DwTilePlan {
 DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int elem_bytes, int smem_limit);
 int dwconv_tile_smem_limit();
 
-// The tensor-core forward (dwconv_mma.cu; also the input gradient, with `flip`): 16-bit inputs on GPUs of
-// compute capability 8.0 or newer. A tile is 8 channels (one per warp) of 16 output rows x 8 * groups
-// columns.
-struct DwMmaPlan {
-  int groups = 1;  // 8-column output groups per tile (1, 2 or 4)
-  int tiles_w = 1, bands = 1, channel_blocks = 1;
-  int64_t tiles = 0;  // B * bands * tiles_w (CTAs loop over them)
-  int smem = 0;       // bytes
-};
-DwMmaPlan dwconv_mma_plan(int B, int H, int W, int C, int K, int elem_bytes);
-// Whether the tensor-core kernel runs `dtype` on the current GPU.
-bool dwconv_mma_supported(ScalarType dtype);
-
-// The launchers return an empty string, or the error of the launch.
+// Both return an empty string, or the error of the launch.
 std::string dwconv_tile_forward_launch(const DwConvForwardParams& p);
 std::string dwconv_tile_wgrad_launch(const DwConvWgradParams& p);
-std::string dwconv_mma_forward_launch(const DwConvForwardParams& p);
 
 }  // namespace gspn2

@@ -14,12 +14,14 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "dwconv.h"
-#include "dwconv_device.cuh"
 
 namespace gspn2 {
 namespace {
@@ -36,6 +38,35 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// The CUDA error of the last launch, or an empty string.
+std::string last_launch_error() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string("CUDA error: ") + cudaGetErrorString(err);
+}
+
+// 16-byte global-to-shared copies that skip registers (cp.async, sm_80 on; zeros where !valid), completed by
+// cp_async_commit + cp_async_wait<N> (at most N of this thread's committed groups still in flight). Before
+// sm_80: a plain copy through registers, complete at once.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#else
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
 
 // Stages rows x cols pixels (top-left corner (h0, w0), zeros outside the image and past channel C) of
 // kTileLanes channels from c0 on, in T, at s[pixel * kTileLanes + lane]. `vec`: C is a multiple of the
@@ -193,6 +224,29 @@ __device__ __forceinline__ void for_each_output(T* __restrict__ base, int hb, in
 }
 
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
+
+// Runs a CTA's tiles first, first + step, ... (below end) with two staging buffers: stage(t, buffer) starts
+// the copies of tile t; compute(t, buffer) runs once they are complete. The copies of the next tile are in
+// flight while the current one is computed.
+template <typename Stage, typename Compute>
+__device__ __forceinline__ void pipeline_tiles(int first, int end, int step, Stage&& stage, Compute&& compute) {
+  if (first >= end) return;
+  stage(first, 0);
+  cp_async_commit();
+  int buf = 0;
+  for (int t = first; t < end; t += step, buf ^= 1) {
+    if (t + step < end) {
+      stage(t + step, buf ^ 1);  // that buffer's last reads (two tiles back) ended at the barrier below
+      cp_async_commit();
+      cp_async_wait<1>();        // tile t's copies are done, the next tile's may still run
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies (and element stores) of tile t are visible
+    compute(t, buf);
+    __syncthreads();  // tile t's buffer is free for the tile after next
+  }
+}
 
 // The weight-gradient kernels' split: CTA blockIdx.x takes tiles_per_chunk consecutive tiles (fewer in the
 // last chunk), a split that fixes the summation order.
@@ -396,8 +450,37 @@ __global__ void dwconv_tile_reduce_kernel(const float* __restrict__ partial, flo
   }
 }
 
+// Opts `kernel` in to `bytes` of dynamic shared memory where that is over the default 48 KB. One flag per
+// kernel instantiation (the tag types), so each is raised once per size it grows to.
+template <typename Tag, typename Kernel>
+void allow_smem(Kernel kernel, int bytes) {
+  static std::atomic<int> allowed{48 * 1024};
+  if (bytes <= allowed.load()) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  allowed.store(bytes);
+}
 template <typename T, int K, int CW, int kKind>  // kKind: 0 forward, 1 weight gradient, 2 one-pass backward
 struct TileKernelTag {};
+
+// How many CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory, already allowed) the
+// current GPU holds at once; asked once per (kernel, block size, shared memory, device).
+template <typename Tag, typename Kernel>
+int resident_ctas(Kernel kernel, int threads, int smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int>, int> known;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const auto key = std::make_tuple(dev, threads, smem);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int n = std::max(1, per_sm) * std::max(1, sms);
+  known.emplace(key, n);
+  return n;
+}
 
 bool tile_vec_ok(int C, ScalarType dtype) { return C % (16 / element_size(dtype)) == 0; }
 

@@ -12,19 +12,15 @@ every other device runs ``F.conv2d`` / ``aten.convolution_backward`` with the au
 * ``gspn2::depthwise_conv2d(x, weight, bias, add_input, silu, kernel, cols) -> y`` (``y`` has ``x``'s strides)
 * ``gspn2::depthwise_conv2d_backward(grad_y, x, weight, has_bias, add_input, kernel, cols) -> (grad_x, grad_w, grad_b)``
 
-Two kernel families (docs/kernel.md, "Depthwise convolution kernels"). The *shared-memory tile* kernels
-(``gspn2/csrc/dwconv_tile.cu``) stage an input tile with its halo once in shared memory and give each thread
-4 rows x ``cols`` (4 or 8) output pixels of one channel, in float32 FMAs with float32 taps. The *tensor-core*
-forward (``gspn2/csrc/dwconv_mma.cu``, 16-bit inputs on compute capability 8.0 and newer) computes each
-kernel row as a product with a banded matrix of the taps on ``mma.sync`` (taps rounded to the input dtype,
-as cuDNN uses them; float32 accumulation). ``kernel`` picks the variant (:data:`FAMILIES` names them):
-0 (``tile``), the tile forward, input-gradient (the forward with flipped taps) and weight-gradient kernels;
-1 (``fused``), the tile forward and one backward pass that stages grad_y and x once for all three gradients;
-2 (``mma``), the tensor-core forward and input gradient with the tile weight-gradient kernel (float32 inputs,
-and GPUs before compute capability 8.0, run kernel 0 instead).
+The kernels are *shared-memory tile* kernels (docs/kernel.md, "Depthwise convolution kernels"): a CTA stages
+an input tile with its halo once in shared memory and gives each thread 4 rows x ``cols`` (4 or 8) output
+pixels of one channel. ``kernel`` picks the backward (:data:`FAMILIES` names the choices): 0 (``tile``), an
+input-gradient kernel (the forward with flipped taps) and a weight-gradient kernel; 1 (``fused``), one pass
+that stages grad_y and x once for all three gradients.
 
-The option ``dwconv_kernel`` picks the variant (``auto``: :data:`AUTO_VARIANT`, the variant and the columns
-that measured fastest for each kernel size), and ``dwconv_tile_cols`` the columns of an explicitly chosen one.
+The option ``dwconv_kernel`` picks the backward (``auto``: :data:`AUTO_VARIANT`, the backward and the columns
+that measured fastest for each kernel size; ``tile``: 0; ``fused``: 1), and ``dwconv_tile_cols`` the columns
+of an explicitly chosen one.
 
 The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
 
@@ -63,8 +59,8 @@ AUTO_KERNEL_SIZES = (3, 7)
 #: (docs/benchmarks.md, "The depthwise convolution kernel"): the one-pass backward with 8 columns for the 3x3,
 #: the tile kernels with 4 columns for the 7x7.
 AUTO_VARIANT = {3: ("fused", 8), 5: ("tile", 4), 7: ("tile", 4)}
-#: The kernel variants by the op's ``kernel`` argument (the ``dwconv_kernel`` option's values but ``auto``).
-FAMILIES = ("tile", "fused", "mma")
+#: The backward by the op's ``kernel`` argument (the ``dwconv_kernel`` option's values but ``auto``).
+FAMILIES = ("tile", "fused")
 _EXTENSION = _cuda.extension_available()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -126,8 +122,8 @@ def _check_flags(add_input, silu) -> None:
 
 
 def _check_variant(kernel: int, cols: int) -> None:
-    if kernel not in (0, 1, 2):
-        raise ValueError(f"gspn2: `kernel` must be 0, 1 or 2, got {kernel}")
+    if kernel not in (0, 1):
+        raise ValueError(f"gspn2: `kernel` must be 0 or 1, got {kernel}")
     if cols not in (4, 8):
         raise ValueError(f"gspn2: `cols` must be 4 or 8, got {cols}")
 
@@ -254,8 +250,9 @@ torch.library.register_autograd("gspn2::depthwise_conv2d", _backward, setup_cont
 
 
 def variant(kernel_size: int) -> tuple[int, int]:
-    """The ``(kernel, cols)`` arguments of the op for this kernel size under the current options: the variant
-    (an index into :data:`FAMILIES`) and the tile kernels' output columns per thread."""
+    """The ``(kernel, cols)`` arguments of the op for this kernel size under the current options: the backward
+    (an index into :data:`FAMILIES`: 0, input-gradient and weight-gradient kernels, 1, one pass) and the
+    output columns per thread."""
     o = _options.current()
     family, cols = o.dwconv_kernel, o.dwconv_tile_cols
     if family == "auto":

@@ -19,10 +19,9 @@ environment         option                               values
                     convolution on CUDA tensors          than cuDNN: K = 3, 7), ``cuda`` (every K it
                                                          supports, else an error), ``cudnn``
 (none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_VARIANT``: the
-                    kernels                              variant and columns per kernel size), ``tile``
+                    kernels' backward                    backward and columns per kernel size), ``tile``
                                                          (input- and weight-gradient kernels), ``fused``
-                                                         (one-pass backward), ``mma`` (tensor-core forward
-                                                         and input gradient for 16-bit inputs)
+                                                         (one-pass backward)
 (none)              ``dwconv_tile_cols``: the depthwise  4 or 8 (benchmarks; ``auto`` picks its own)
                     kernels' output columns per thread
 ==================  ===================================  ================================================
@@ -64,7 +63,7 @@ _CHOICES = {
     "backend": ("auto", "cuda", "reference"),
     "kernel": KERNELS,
     "dwconv": ("auto", "cuda", "cudnn"),
-    "dwconv_kernel": ("auto", "tile", "fused", "mma"),
+    "dwconv_kernel": ("auto", "tile", "fused"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": (4, 8)}
 _ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV}

@@ -26,9 +26,8 @@ def _restore_options():
 
 
 def _set_variant(variant):
-    """``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS): the tile input- and weight-gradient kernels
-    (kernel 0), the tile one-pass backward (1) or the tensor-core forward and input gradient (2), with ``cols``
-    output columns per thread of the tile kernels."""
+    """``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS): the input- and weight-gradient kernels
+    (kernel 0) or the one-pass backward (1), with ``cols`` output columns per thread."""
     options.set_options(**dwconv_variant_options(variant))
 
 
@@ -115,7 +114,7 @@ def test_backend_switch_is_validated():
             options.set_options(**{name: value})
     x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3)
     for kernel, cols in ((4, 8), (0, 2)):
-        with pytest.raises(ValueError, match="`kernel` must be 0, 1 or 2" if kernel == 4 else "`cols` must be 4 or 8"):
+        with pytest.raises(ValueError, match="`kernel` must be 0 or 1" if kernel == 4 else "`cols` must be 4 or 8"):
             torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, kernel, cols)
 
 
@@ -123,7 +122,7 @@ def test_backend_switch_is_validated():
 @pytest.mark.cuda
 def test_cuda_kernel_variant_is_validated():
     x, w, b = _cuda_case(1, 8, 5, 5, 3, torch.float32)
-    for kernel, cols, match in ((3, 8, "`kernel` must be 0, 1 or 2"), (-1, 4, "`kernel` must be 0, 1 or 2"),
+    for kernel, cols, match in ((2, 8, "`kernel` must be 0 or 1"), (-1, 4, "`kernel` must be 0 or 1"),
                                 (0, 2, "`cols` must be 4 or 8")):
         with pytest.raises(ValueError, match=match):
             torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, kernel, cols)
@@ -157,8 +156,6 @@ def test_kernel_family_options_give_the_op_variant():
     assert D.variant(7) == (0, 8)
     options.set_options(dwconv_kernel="fused", dwconv_tile_cols=4)
     assert D.variant(3) == (1, 4)
-    options.set_options(dwconv_kernel="mma", dwconv_tile_cols=8)
-    assert D.variant(7) == (2, 8)
     with pytest.raises(ValueError, match="dwconv_kernel"):
         options.set_options(dwconv_kernel="tiles")
 
@@ -207,7 +204,7 @@ def _assert_matches_cudnn_fp32(N, C, H, W, K, add):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8", "t2v4"])  # t2: float32 runs kernel 0
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
 @pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
                                    (2, 17, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 6, 3, 1, 7, False)])
 def test_cuda_kernel_matches_cudnn_fp32(shape, variant):
@@ -250,7 +247,7 @@ def test_cuda_forward_over_many_tiles_per_cta(K, variant):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("C,K", [(120, 7), (26, 7), (80, 3), (20, 5)])  # 8 or 4 channels, 1, 4 channels
-@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8", "t2v4"])
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
 def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
     _set_variant(variant)
     x, w, b = _cuda_case(4, C, 28, 28, K, dtype)
@@ -260,54 +257,8 @@ def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
     for backend in ("cudnn", "cuda"):
         errs[backend] = [((o.double() - e).abs().max() / e.abs().max()).item()
                          for o, e in zip(_grads(backend, x, w, b, False, gy), exact)]
-    # float32 accumulation (and float32 taps in the tile kernels): at most the cuDNN 16-bit error (x2 margin)
+    # float32 weights and accumulation: at most the cuDNN 16-bit error (x2 margin), every output
     assert all(t <= 2 * c + 1e-3 for t, c in zip(errs["cuda"], errs["cudnn"])), errs
-
-
-def _mma_exact(x, w, b, add, flip=False):
-    """What the tensor-core kernel computes, in float64: the input and the taps rounded to x's dtype, the bias
-    in float32, exact sums (the kernel's float32 sums differ by their rounding)."""
-    wq = w.to(x.dtype).double()
-    if flip:
-        wq = wq.flip(-1, -2)
-    y = F.conv2d(x.double(), wq, None if b is None else b.double(), padding=w.shape[-1] // 2, groups=x.shape[1])
-    return y + x.double() if add else y
-
-
-@cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(2, 16, 70, 131, 7, True), (1, 8, 1, 1, 3, False), (3, 13, 17, 9, 5, True),
-                                   (1, 64, 33, 64, 7, False), (2, 24, 16, 8, 3, True), (1, 3, 40, 75, 7, False)])
-def test_cuda_mma_forward_and_input_gradient_tap_exact(dtype, shape):
-    """The tensor-core kernel on every tiling edge: several column tiles with a partial last one (W = 131,
-    75), single pixels, row bands with a partial last one, channel counts off the 8-channel vector (13, 3),
-    exact multiples. Outputs within one rounding of the exact sum over the rounded taps, so a tap at a wrong
-    offset (up to 0.2 * |x| per term) fails. The input gradient is the same kernel with the flipped taps."""
-    N, C, H, W, K, add = shape
-    options.set_options(dwconv="cuda", **dwconv_variant_options("t2v4"))
-    x, w, b = _cuda_case(N, C, H, W, K, dtype, seed=1)
-    gy = torch.randn_like(x)
-    y = depthwise_conv2d(x, w, b, add)
-    grad_x, _, _ = torch.ops.gspn2.depthwise_conv2d_backward.default(gy, x, w.float(), True, add, 2, 4)
-    eps = torch.finfo(dtype).eps
-    for name, out, exact in (("y", y, _mma_exact(x, w, b, add)), ("grad_x", grad_x, _mma_exact(gy, w, None, add, flip=True))):
-        assert out.is_contiguous(memory_format=torch.channels_last), name
-        err = (out.double() - exact).abs()
-        # the output's own rounding (half an ulp), plus float32 sums of up to K * K + 2 terms
-        bound = eps * exact.abs() + 1e-5 * exact.abs().max()
-        assert bool((err <= bound).all()), (name, (err - bound).max().item())
-
-
-@cuda
-@pytest.mark.cuda
-def test_cuda_mma_silu_fused_forward():
-    options.set_options(dwconv="cuda", **dwconv_variant_options("t2v4"))
-    x, w, b = _cuda_case(2, 48, 20, 19, 7, torch.bfloat16)
-    with torch.no_grad():
-        y = depthwise_conv2d(x, w, b, silu=True)
-        ref = F.silu(_mma_exact(x, w, b, False)).to(torch.bfloat16)
-    torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=1e-3)
 
 
 @cuda
@@ -322,7 +273,7 @@ def test_cuda_silu_fused_forward():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8", "t2v4"])
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
 @pytest.mark.parametrize("K", [3, 7])
 def test_cuda_deterministic(variant, K):
     options.set_options(dwconv="cuda")
