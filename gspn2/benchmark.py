@@ -11,7 +11,12 @@ from typing import Callable
 
 import torch
 
-__all__ = ["aot_config", "dwconv_shapes", "graph_ms", "median_ms", "parse_image_size"]
+from gspn2.ops.dwconv import FAMILIES
+from gspn2.ops.options import DWCONV_TILE_COLS
+
+__all__ = [
+    "DWCONV_VARIANTS", "aot_config", "dwconv_shapes", "dwconv_variant_options", "graph_ms", "median_ms", "parse_image_size"
+]
 
 
 def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | None = None) -> float:
@@ -95,14 +100,12 @@ def dwconv_shapes(model: str, resolution: int) -> list[tuple[int, int, int, bool
 #: The depthwise kernel variants by name, ``t<kernel>v<cols>``: the op's ``kernel`` argument (0 ``tile``, the
 #: input- and weight-gradient kernels; 1 ``fused``, the one-pass backward; gspn2.ops.dwconv.FAMILIES) and the
 #: output columns per thread.
-DWCONV_VARIANTS = tuple(f"t{k}v{c}" for k in range(2) for c in (4, 8))
+DWCONV_VARIANTS = tuple(f"t{k}v{c}" for k in range(len(FAMILIES)) for c in DWCONV_TILE_COLS)
 
 
 def dwconv_variant_options(name: str) -> dict:
     """The gspn2 options (:func:`gspn2.ops.options.set_options`) that select depthwise variant ``name``
     (:data:`DWCONV_VARIANTS`; ``""`` or ``"auto"``: ``dwconv_kernel="auto"``)."""
-    from gspn2.ops.dwconv import FAMILIES
-
     if name in ("", "auto"):
         return {"dwconv_kernel": "auto"}
     if name not in DWCONV_VARIANTS:

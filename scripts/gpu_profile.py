@@ -38,11 +38,12 @@ VARIANTS = ("auto", "fast", "general")
 
 
 def run_dwconv(variants: list[str]) -> None:
+    names = variants or ["auto"]
     try:
-        chosen = [dwconv_variant_options(spec) for spec in variants or ["auto"]]
+        chosen = [dwconv_variant_options(spec) for spec in names]
     except ValueError as e:
         raise SystemExit(f"gpu_profile.py dwconv: {e}")
-    for opts in chosen:
+    for spec, opts in zip(names, chosen):
         options.set_options(dwconv="cuda", **opts)
         for C, side, K, add, _ in dwconv_shapes("gspn2_tiny", 224):
             kernel, cols = dwconv_variant(K)

@@ -51,8 +51,6 @@ DWCONV_CHUNK_CASES = [
     (33, 1024, 7, 7, 3, True, "bfloat16"),
     (33, 1024, 7, 7, 7, False, "float32"),
 ]
-# (backward: `dwconv_kernel`, output columns per thread)
-DWCONV_VARIANTS = [("tile", 4), ("tile", 8), ("fused", 4), ("fused", 8)]
 
 
 def run_op(cases) -> None:
@@ -73,10 +71,11 @@ def run_op(cases) -> None:
 def run_dwconv() -> None:
     import torch
 
+    from gspn2.benchmark import DWCONV_VARIANTS, dwconv_variant_options
     from gspn2.ops import depthwise_conv2d, options
 
-    for family, cols in DWCONV_VARIANTS:
-        options.set_options(dwconv_kernel=family, dwconv_tile_cols=cols)
+    for name in DWCONV_VARIANTS:  # every backward with 4 and 8 output columns per thread
+        options.set_options(**dwconv_variant_options(name))
         for B, C, H, W, k, residual, dt in DWCONV_CASES + DWCONV_CHUNK_CASES:
             x = torch.randn(B, C, H, W, device="cuda", dtype=getattr(torch, dt))
             x = x.to(memory_format=torch.channels_last).requires_grad_()

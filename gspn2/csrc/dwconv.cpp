@@ -73,6 +73,31 @@ at::Tensor weight_rows(const at::Tensor& weight) {
   return weight.detach().reshape({weight.size(0), -1}).to(at::kFloat).contiguous();
 }
 
+// The forward kernel on x (channels-last, 16-byte aligned) into y of its shape: y = conv(x) with the float32
+// (C, K*K) taps `w` (`flip`: the input gradient's flipped taps), plus `bias` (float32, or null), plus x if
+// `add_input`, then SiLU if `silu`.
+void launch_forward(const at::Tensor& x, const at::Tensor& w, int K, const float* bias, bool add_input, bool silu,
+                    bool flip, at::Tensor& y, int64_t cols) {
+  DwConvForwardParams p;
+  p.x = x.data_ptr();
+  p.weight = w.data_ptr<float>();
+  p.bias = bias;
+  p.add_input = add_input;
+  p.y = y.data_ptr();
+  p.B = int(x.size(0));
+  p.C = int(x.size(1));
+  p.H = int(x.size(2));
+  p.W = int(x.size(3));
+  p.K = K;
+  p.flip = flip;
+  p.silu = silu;
+  p.dtype = dw_scalar_type(x.scalar_type());
+  p.cols = int(cols);
+  p.stream = c10::cuda::getCurrentCUDAStream();
+  const std::string err = dwconv_tile_forward_launch(p);
+  GSPN2_DW_CHECK(err.empty(), err);
+}
+
 at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           bool add_input, bool silu, int64_t kernel, int64_t cols) {
   check_variant(kernel, cols);  // both kernels share the forward
@@ -91,23 +116,8 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   at::Tensor b32;
   if (bias.has_value()) b32 = bias->detach().to(at::kFloat).contiguous();
   at::Tensor y = at::empty_like(x, x.options(), at::MemoryFormat::ChannelsLast);
-  DwConvForwardParams p;
-  p.x = x.data_ptr();
-  p.weight = w.data_ptr<float>();
-  p.bias = bias.has_value() ? b32.data_ptr<float>() : nullptr;
-  p.add_input = add_input;
-  p.y = y.data_ptr();
-  p.B = int(x.size(0));
-  p.C = int(C);
-  p.H = int(x.size(2));
-  p.W = int(x.size(3));
-  p.K = int(weight.size(2));
-  p.silu = silu;
-  p.dtype = dw_scalar_type(x.scalar_type());
-  p.cols = int(cols);
-  p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = dwconv_tile_forward_launch(p);
-  GSPN2_DW_CHECK(err.empty(), err);
+  launch_forward(x, w, int(weight.size(2)), bias.has_value() ? b32.data_ptr<float>() : nullptr, add_input, silu, false,
+                 y, cols);
   // The op promises x's strides (its fake implementation is empty_like(x)).
   if (!x_.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::empty_like(x_).copy_(y);
   return y;
@@ -163,20 +173,7 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
     tile_weight_grads(gy, x_, weight, cols, &grad_x, add_input, grad_w, grad_b);
     return {grad_x, grad_w, grad_b};
   }
-  const at::Tensor w = weight_rows(weight);
-  DwConvForwardParams p;
-  p.x = gy.data_ptr();
-  p.weight = w.data_ptr<float>();
-  p.add_input = add_input;
-  p.y = grad_x.data_ptr();
-  p.B = int(x_.size(0)), p.C = int(x_.size(1)), p.H = int(x_.size(2)), p.W = int(x_.size(3));
-  p.K = int(weight.size(2));
-  p.flip = true;
-  p.dtype = dw_scalar_type(x_.scalar_type());
-  p.cols = cols;
-  p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = dwconv_tile_forward_launch(p);
-  GSPN2_DW_CHECK(err.empty(), err);
+  launch_forward(gy, weight_rows(weight), int(weight.size(2)), nullptr, add_input, false, true, grad_x, cols);
   tile_weight_grads(gy, x_, weight, cols, nullptr, false, grad_w, grad_b);
   return {grad_x, grad_w, grad_b};
 }

@@ -60,7 +60,7 @@ AUTO_KERNEL_SIZES = (3, 7)
 #: the tile kernels with 4 columns for the 7x7.
 AUTO_VARIANT = {3: ("fused", 8), 5: ("tile", 4), 7: ("tile", 4)}
 #: The backward by the op's ``kernel`` argument (the ``dwconv_kernel`` option's values but ``auto``).
-FAMILIES = ("tile", "fused")
+FAMILIES = _options.DWCONV_KERNELS[1:]
 _EXTENSION = _cuda.extension_available()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

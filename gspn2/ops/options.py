@@ -40,6 +40,8 @@ __all__ = [
     "BACKEND_ENV",
     "CLUSTER_CTAS",
     "DWCONV_ENV",
+    "DWCONV_KERNELS",
+    "DWCONV_TILE_COLS",
     "KERNELS",
     "KERNEL_ENV",
     "Options",
@@ -59,13 +61,17 @@ DWCONV_ENV = "GSPN2_DWCONV"
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster")
 CLUSTER_CTAS = (0, 2, 4, 8)
+#: The depthwise kernels' backward (after ``auto``, in the order of the op's ``kernel`` argument) and output
+#: columns per thread.
+DWCONV_KERNELS = ("auto", "tile", "fused")
+DWCONV_TILE_COLS = (4, 8)
 _CHOICES = {
     "backend": ("auto", "cuda", "reference"),
     "kernel": KERNELS,
     "dwconv": ("auto", "cuda", "cudnn"),
-    "dwconv_kernel": ("auto", "tile", "fused"),
+    "dwconv_kernel": DWCONV_KERNELS,
 }
-_INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": (4, 8)}
+_INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV}
 
 
