@@ -207,7 +207,13 @@ struct BlockView {
 // Forward
 // ------------------------------------------------------------------------------------------------
 
-template <typename scalar_t, int CS, int D, bool HORIZ>
+// AHEAD (blocks of up to kFastSmallThreads threads): the gates of a group of steps (the ring's D steps,
+// a horizontal tile's T) are normalised together before the group's first step, D or T independent
+// chains of transcendental work, so that the step-to-step chain (one barrier per step) is only the
+// exchange line's loads, the FMAs and the stores. The 1024-thread blocks (64 registers per thread)
+// normalise each step's gates in that step: the extra live registers would spill, and their 32 warps per
+// SM hide the chain.
+template <typename scalar_t, int CS, int D, bool HORIZ, bool AHEAD>
 __device__ __forceinline__ void forward_ring(const PropagateParams& p, const BlockIndex& bi, float* line) {
   using EL = Elem<scalar_t>;
   using Bits = typename EL::bits;
@@ -215,11 +221,17 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
   const int pp = p.pp;
   Bits* const h = static_cast<Bits*>(p.h) + (bi.b * p.h_sb + bi.d * p.h_sd + (bi.grp * p.G + bi.sl * CS) * p.h_sc);
 
-  Bits rg[D][3], rx[D][CS], rl[D][CS];
-#define GSPN2_FWD_LOAD(j, s)                                                       \
+  // Slot j holds step s with s % D == j. AHEAD: the gate slots are refilled a group at a time (after the
+  // group's weights are computed), x and lam slots one step at a time, D steps ahead either way.
+  Bits rg[D][3] = {}, rx[D][CS], rl[D][CS];
+#define GSPN2_FWD_LOAD_GATES(j, s)                                                 \
   if (v.active && (s) < v.S) {                                                     \
     const int64_t o_ = v.template off<HORIZ>(s);                                   \
     _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
+  }
+#define GSPN2_FWD_LOAD_XL(j, s)                                                    \
+  if (v.active && (s) < v.S) {                                                     \
+    const int64_t o_ = v.template off<HORIZ>(s);                                   \
     _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
       rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
       rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
@@ -227,11 +239,30 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
   }
 #pragma unroll
   for (int j = 0; j < D; ++j) {
-    GSPN2_FWD_LOAD(j, j)
+    GSPN2_FWD_LOAD_GATES(j, j)
+    GSPN2_FWD_LOAD_XL(j, j)
   }
 
+  float wq[AHEAD ? D : 1][3];  // AHEAD: the weights of the group's steps
   int par = 0, sm = 0;
   for (int s0 = 0; s0 < v.S; s0 += D) {
+    if constexpr (AHEAD) {
+      int smt = sm;
+#pragma unroll
+      for (int j = 0; j < D; ++j) {
+        // Branch-free, so that the D chains interleave; unused slots hold zeros or stale gates.
+        const Gates gt = normalise(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
+        const bool use = smt != 0;
+        wq[j][0] = use ? gt.a0 * gt.inv : 0.f;
+        wq[j][1] = use ? gt.s1 * gt.inv : 0.f;
+        wq[j][2] = use ? gt.a2 * gt.inv : 0.f;
+        smt = (smt + 1 == v.ce) ? 0 : smt + 1;
+      }
+#pragma unroll
+      for (int j = 0; j < D; ++j) {
+        GSPN2_FWD_LOAD_GATES(j, s0 + D + j)
+      }
+    }
 #pragma unroll
     for (int j = 0; j < D; ++j) {
       const int s = s0 + j;
@@ -241,7 +272,9 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
       float* next = line + (par ^ 1) * CS * pp;
       if (v.active) {
         float w0 = 0.f, w1 = 0.f, w2 = 0.f;
-        if (!restart) {
+        if constexpr (AHEAD) {
+          w0 = wq[j][0], w1 = wq[j][1], w2 = wq[j][2];
+        } else if (!restart) {
           const Gates gt = normalise(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
           w0 = gt.a0 * gt.inv;
           w1 = gt.s1 * gt.inv;
@@ -260,17 +293,21 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
           next[c * pp + v.q + 1] = hv;
           h[c * p.h_sc + o] = EL::store(hv);
         }
-        GSPN2_FWD_LOAD(j, s + D)
+        if (!AHEAD) {
+          GSPN2_FWD_LOAD_GATES(j, s + D)
+        }
+        GSPN2_FWD_LOAD_XL(j, s + D)
       }
       __syncthreads();
       par ^= 1;
       sm = (sm + 1 == v.ce) ? 0 : sm + 1;
     }
   }
-#undef GSPN2_FWD_LOAD
+#undef GSPN2_FWD_LOAD_GATES
+#undef GSPN2_FWD_LOAD_XL
 }
 
-template <typename scalar_t, int CS>
+template <typename scalar_t, int CS, bool AHEAD>
 __device__ __forceinline__ void forward_tile(const PropagateParams& p, const BlockIndex& bi, float* line,
                                              unsigned char* stage_mem) {
   using EL = Elem<scalar_t>;
@@ -296,7 +333,7 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
     }
   };
 
-  uint32_t tg[3][NW], tx[CS][NW], tl[CS][NW];
+  uint32_t tg[3][NW] = {}, tx[CS][NW], tl[CS][NW];
   if (v.active) issue(0);
   copy_async_commit();
   int par = 0, sm = 0;
@@ -322,6 +359,21 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
       if (kt + 1 < ntl) issue(kt + 1);  // lands while this tile is computed
       copy_async_commit();
     }
+    // AHEAD: the tile's normalised weights before its steps.
+    float wt[AHEAD ? T : 1][3];
+    if constexpr (AHEAD) {
+      int smt = sm;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const Gates gt = normalise(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
+                                   EL::load(PK::get(tg[2], t)), v.q, v.L);  // branch-free (see forward_ring)
+        const bool use = smt != 0;
+        wt[t][0] = use ? gt.a0 * gt.inv : 0.f;
+        wt[t][1] = use ? gt.s1 * gt.inv : 0.f;
+        wt[t][2] = use ? gt.a2 * gt.inv : 0.f;
+        smt = (smt + 1 == v.ce) ? 0 : smt + 1;
+      }
+    }
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const bool restart = sm == 0;
@@ -329,7 +381,9 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
       float* next = line + (par ^ 1) * CS * pp;
       if (v.active) {
         float w0 = 0.f, w1 = 0.f, w2 = 0.f;
-        if (!restart) {
+        if constexpr (AHEAD) {
+          w0 = wt[t][0], w1 = wt[t][1], w2 = wt[t][2];
+        } else if (!restart) {
           const Gates gt = normalise(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
                                      EL::load(PK::get(tg[2], t)), v.q, v.L);
           w0 = gt.a0 * gt.inv;
@@ -369,6 +423,7 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
   extern __shared__ __align__(16) unsigned char smem[];
   // Ring depth (steps in flight per thread): big blocks have 64 registers per thread.
   constexpr int D = NT > kFastSmallThreads ? 4 : CS <= 2 ? 8 : 4;
+  constexpr bool AHEAD = NT <= kFastSmallThreads;
   const BlockIndex bi = block_index(p);
   if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
@@ -377,12 +432,12 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
   __syncthreads();
   if (bi.d < 2) {
     if (p.tile_h) {
-      forward_tile<scalar_t, CS>(p, bi, line, smem + 2 * CS * p.pp * 4);
+      forward_tile<scalar_t, CS, AHEAD>(p, bi, line, smem + 2 * CS * p.pp * 4);
     } else {
-      forward_ring<scalar_t, CS, D, true>(p, bi, line);
+      forward_ring<scalar_t, CS, D, true, AHEAD>(p, bi, line);
     }
   } else {
-    forward_ring<scalar_t, CS, D, false>(p, bi, line);
+    forward_ring<scalar_t, CS, D, false, AHEAD>(p, bi, line);
   }
 }
 
@@ -391,20 +446,32 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
 // ex[parity][kind][c][pp], kinds 0..2 = C_o = w_o * adj of offsets -1, 0, +1; kind 3 = h_{s-1}.
 // ------------------------------------------------------------------------------------------------
 
-// One reverse-scan step of one pixel: reads x, lam, grad_h of the CS channels and h_{s-1} from the
-// exchange line, writes C_o and (given) h_{s-2} for the next step; returns grad_lam, the grad_x term
-// and the gate-logit gradients.
+// The gates of one backward step: normalised, or on a restart step the value whose weights are zero.
+// Branch-free (selects), so that the gates of several steps computed together interleave.
+__device__ __forceinline__ Gates step_gates(float g0, float g1, float g2, bool restart, int q, int L) {
+  Gates r = normalise(g0, g1, g2, q, L);
+  r.s0 = restart ? 0.f : r.s0;
+  r.s1 = restart ? 0.f : r.s1;
+  r.s2 = restart ? 0.f : r.s2;
+  r.a0 = restart ? 0.f : r.a0;
+  r.a2 = restart ? 0.f : r.a2;
+  r.total = restart ? 0.f : r.total;
+  r.inv = restart ? 1.f : r.inv;
+  return r;
+}
+
+// One reverse-scan step of one pixel, given its gates (step_gates, computed ahead of the step): reads
+// x, lam, grad_h of the CS channels and h_{s-1} from the exchange line, writes C_o and (given) h_{s-2}
+// for the next step; returns grad_lam, the grad_x term and the gate-logit gradients.
 template <int CS>
 struct StepOut {
   float glam[CS], gx[CS], gg[3];
 };
 
 template <int CS>
-__device__ __forceinline__ void backward_step(const float (&g)[3], const float (&xv)[CS], const float (&lv)[CS],
+__device__ __forceinline__ void backward_step(const Gates& gt, const float (&xv)[CS], const float (&lv)[CS],
                                               const float (&ghv)[CS], bool restart, bool has_next, int q, int L,
                                               const float* rd, float* wr, int pp, StepOut<CS>& out) {
-  Gates gt = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f};
-  if (!restart) gt = normalise(g[0], g[1], g[2], q, L);
   const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
   float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
 #pragma unroll
@@ -447,7 +514,7 @@ struct BackwardOut {
   }
 };
 
-template <typename scalar_t, int CS, int D, bool HORIZ>
+template <typename scalar_t, int CS, int D, bool HORIZ, bool AHEAD>
 __device__ __forceinline__ void backward_ring(const PropagateParams& p, const BlockIndex& bi, float* ex) {
   using EL = Elem<scalar_t>;
   using Bits = typename EL::bits;
@@ -460,12 +527,17 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   const Bits* const hs = static_cast<const Bits*>(p.h_saved) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
   const bool part = p.nsl > 1;
 
-  // Slot j holds processing index i (scan step s = S - 1 - i) with i % D == j.
-  Bits rg[D][3], rx[D][CS], rl[D][CS], rgh[D][CS], rh[D][CS];
-#define GSPN2_BWD_LOAD(j, i)                                                       \
+  // Slot j holds processing index i (scan step s = S - 1 - i) with i % D == j. AHEAD: the gate slots are
+  // refilled a group of D at a time, after the group's gates are normalised (see forward_ring).
+  Bits rg[D][3] = {}, rx[D][CS], rl[D][CS], rgh[D][CS], rh[D][CS];
+#define GSPN2_BWD_LOAD_GATES(j, i)                                                 \
   if (v.active && (i) < v.S) {                                                     \
     const int64_t o_ = v.template off<HORIZ>(v.S - 1 - (i));                       \
     _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
+  }
+#define GSPN2_BWD_LOAD_REST(j, i)                                                  \
+  if (v.active && (i) < v.S) {                                                     \
+    const int64_t o_ = v.template off<HORIZ>(v.S - 1 - (i));                       \
     _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
       rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
       rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
@@ -475,7 +547,8 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   }
 #pragma unroll
   for (int j = 0; j < D; ++j) {
-    GSPN2_BWD_LOAD(j, j)
+    GSPN2_BWD_LOAD_GATES(j, j)
+    GSPN2_BWD_LOAD_REST(j, j)
   }
   // The first step (s = S - 1) reads h_{S-2}: write it before the loop.
   if (v.active && v.S >= 2) {
@@ -486,7 +559,20 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
 
   int par = 0;
   int sm = (v.S - 1) % v.ce;  // s % ce of the step being processed
+  Gates gq[AHEAD ? D : 1];    // the gates of the group's steps (AHEAD), or of the current step
   for (int i0 = 0; i0 < v.S; i0 += D) {
+    if constexpr (AHEAD) {
+      int smt = sm;
+#pragma unroll
+      for (int j = 0; j < D; ++j) {
+        gq[j] = step_gates(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), smt == 0, v.q, v.L);
+        smt = (smt == 0) ? v.ce - 1 : smt - 1;
+      }
+#pragma unroll
+      for (int j = 0; j < D; ++j) {
+        GSPN2_BWD_LOAD_GATES(j, i0 + D + j)
+      }
+    }
 #pragma unroll
     for (int j = 0; j < D; ++j) {
       const int i = i0 + j;
@@ -497,9 +583,10 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
       const float* rd = ex + par * 4 * CS * pp;
       float* wr = ex + (par ^ 1) * 4 * CS * pp;
       if (v.active) {
-        float g[3], xv[CS], lv[CS], ghv[CS];
-#pragma unroll
-        for (int k = 0; k < 3; ++k) g[k] = EL::load(rg[j][k]);
+        if constexpr (!AHEAD) {
+          gq[0] = step_gates(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), restart, v.q, v.L);
+        }
+        float xv[CS], lv[CS], ghv[CS];
 #pragma unroll
         for (int c = 0; c < CS; ++c) {
           xv[c] = EL::load(rx[j][c]);
@@ -507,7 +594,7 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
           ghv[c] = EL::load(rgh[j][c]);
         }
         StepOut<CS> r;
-        backward_step<CS>(g, xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
+        backward_step<CS>(gq[AHEAD ? j : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
         if (i + 2 < v.S) {  // h_{s-2} for the next step
 #pragma unroll
           for (int c = 0; c < CS; ++c) wr[(3 * CS + c) * pp + v.q + 1] = EL::load(rh[(j + 2) % D][c]);
@@ -526,17 +613,21 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
             out.gg[k * p.g_so + o] = EL::store(r.gg[k]);
           }
         }
-        GSPN2_BWD_LOAD(j, i + D)
+        if (!AHEAD) {
+          GSPN2_BWD_LOAD_GATES(j, i + D)
+        }
+        GSPN2_BWD_LOAD_REST(j, i + D)
       }
       __syncthreads();
       par ^= 1;
       sm = (sm == 0) ? v.ce - 1 : sm - 1;
     }
   }
-#undef GSPN2_BWD_LOAD
+#undef GSPN2_BWD_LOAD_GATES
+#undef GSPN2_BWD_LOAD_REST
 }
 
-template <typename scalar_t, int CS>
+template <typename scalar_t, int CS, bool AHEAD>
 __device__ __forceinline__ void backward_tile(const PropagateParams& p, const BlockIndex& bi, float* ex,
                                               unsigned char* stage_mem, unsigned char* out_mem) {
   using EL = Elem<scalar_t>;
@@ -571,7 +662,7 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
     }
   };
 
-  uint32_t tg[3][NW], tx[CS][NW], tl[CS][NW], tgh[CS][NW], th[CS][NW];
+  uint32_t tg[3][NW] = {}, tx[CS][NW], tl[CS][NW], tgh[CS][NW], th[CS][NW];
   if (v.active) issue(ntl - 1);
   copy_async_commit();
   int par = 0;
@@ -610,6 +701,17 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
       }
       __syncthreads();
     }
+    // AHEAD: the tile's gates before its steps.
+    Gates gts[AHEAD ? T : 1];
+    if constexpr (AHEAD) {
+      int smt = sm;
+#pragma unroll
+      for (int t = T - 1; t >= 0; --t) {
+        gts[t] = step_gates(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)), EL::load(PK::get(tg[2], t)),
+                            smt == 0, v.q, v.L);
+        smt = (smt == 0) ? v.ce - 1 : smt - 1;
+      }
+    }
     // Outputs wait in a per-thread output stage, element (plane, t) of thread q at (plane * T + t) *
     // nthreads + q (conflict-free stores), until the tile is written as vectors: holding them in
     // registers would spill.
@@ -623,17 +725,19 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
       const float* rd = ex + par * 4 * CS * pp;
       float* wr = ex + (par ^ 1) * 4 * CS * pp;
       if (v.active) {
-        float g[3], xv[CS], lv[CS], ghv[CS];
-#pragma unroll
-        for (int k = 0; k < 3; ++k) g[k] = EL::load(PK::get(tg[k], t));
+        float xv[CS], lv[CS], ghv[CS];
 #pragma unroll
         for (int c = 0; c < CS; ++c) {
           xv[c] = EL::load(PK::get(tx[c], t));
           lv[c] = EL::load(PK::get(tl[c], t));
           ghv[c] = EL::load(PK::get(tgh[c], t));
         }
+        if constexpr (!AHEAD) {
+          gts[0] = step_gates(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)), EL::load(PK::get(tg[2], t)),
+                              restart, v.q, v.L);
+        }
         StepOut<CS> r;
-        backward_step<CS>(g, xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
+        backward_step<CS>(gts[AHEAD ? t : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
         if (s >= 2) {  // h_{s-2} for the next step: this tile's element t - 2, or the next tile's
 #pragma unroll
           for (int c = 0; c < CS; ++c) {
@@ -697,6 +801,7 @@ template <typename scalar_t, int CS, int NT>
 __global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_constant__ PropagateParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int D = NT > kFastSmallThreads ? 3 : 4;
+  constexpr bool AHEAD = NT <= kFastSmallThreads;
   const BlockIndex bi = block_index(p);
   if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
@@ -708,12 +813,12 @@ __global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_con
       constexpr int T = kFastTileB;
       constexpr int esize = int(sizeof(typename Elem<scalar_t>::bits));
       unsigned char* const stage = smem + 2 * 4 * CS * p.pp * 4;
-      backward_tile<scalar_t, CS>(p, bi, ex, stage, stage + blockDim.x * (3 + 4 * CS) * T * esize);
+      backward_tile<scalar_t, CS, AHEAD>(p, bi, ex, stage, stage + blockDim.x * (3 + 4 * CS) * T * esize);
     } else {
-      backward_ring<scalar_t, CS, D, true>(p, bi, ex);
+      backward_ring<scalar_t, CS, D, true, AHEAD>(p, bi, ex);
     }
   } else {
-    backward_ring<scalar_t, CS, D, false>(p, bi, ex);
+    backward_ring<scalar_t, CS, D, false, AHEAD>(p, bi, ex);
   }
 }
 

@@ -36,7 +36,8 @@ LOWP_SLACK = 1e-4
 # kernels (propagate_streaming.cu): small blocks with 1, 2 and 4 channels (2 and 4 only when that still gives
 # the GPU 132 blocks: hence B = 33 and 17), big blocks (one channel, group split over several blocks),
 # horizontal scans through the tile stage (W % 8 == 0 forward, W % 4 == 0 backward) and through the ring;
-# longer lines run the general kernels.
+# warp lines (lines of up to 32 pixels, neighbours by shuffles), with a 32-pixel line where the last lane
+# has no right neighbour; longer lines run the general kernels.
 CASES = [
     (1, 3, 288, 264, 1, 100),
     (33, 2, 16, 24, 1, 5),
@@ -59,6 +60,8 @@ CASES = [
     (1, 2, 3, 1100, 2, None),
     (1, 2, 1100, 3, 1, 300),
     (1, 2, 200, 300, 1, None),
+    (33, 2, 32, 20, 1, None),
+    (17, 4, 24, 32, 2, 6),
 ]
 
 
