@@ -222,7 +222,7 @@ bool make_plan_fast(PropagateParams& p, bool backward, const PlanOptions& o, int
   }
   p.nsl = p.G / p.cs;
   p.pp = round_up(lmax + 2, 4);
-  const int line_bytes = (backward ? 2 * 4 : 2) * p.cs * p.pp * 4;
+  const int line_bytes = 2 * fast_line_stride(p.cs, backward) * p.pp * 4;
   const int T = backward ? kFastTileB : kFastTileF;
   const int planes = backward ? 3 + 4 * p.cs : 3 + 2 * p.cs;
   // Backward tiles also stage their outputs: grad_lam (input dtype), grad_x term and gate gradients (fp32).

@@ -24,6 +24,10 @@ constexpr int kFastMaxLine = 1024;
 constexpr int kFastSmallThreads = 256;  // blocks of at most this many threads may keep up to 4 channels
 constexpr int kFastTileF = 8;           // forward: scan steps per horizontal tile (32 B fp32, 16 B 16-bit)
 constexpr int kFastTileB = 4;           // backward: scan steps per horizontal tile (16 B fp32, 8 B 16-bit)
+// Streaming kernels' fp32 exchange line: per line position, the values of all channels side by side (forward:
+// h of cs channels; backward: C_-1, C_0, C_+1 and h_{s-1} of cs channels), padded to an odd float count so
+// that a warp's accesses at consecutive positions fall in different banks. Two such lines (double buffer).
+__host__ __device__ constexpr int fast_line_stride(int cs, bool backward) { return (backward ? 4 * cs : cs) | 1; }
 // Cluster kernels (propagate_cluster.cu, sm_90, forward and backward of the horizontal directions): each line
 // split over 2, 4 or 8 CTAs of a thread-block cluster, at most kClusterMaxRows own rows per CTA.
 constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per side

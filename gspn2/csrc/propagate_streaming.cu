@@ -169,11 +169,14 @@ __device__ __forceinline__ void stg_floats(float* dst, const float (&r)[N]) {
 }
 
 // The block's view of its problem: line geometry and plane base pointers (q = 0, scan index 0).
+// Offsets within a plane are 32-bit (planes hold at most kFastMaxLine^2 = 2^20 pixels here): an access's
+// address is then the block's 64-bit plane base plus one sign-extended 32-bit offset.
 template <typename Bits, int CS>
 struct BlockView {
   int L, S, W, q;
   bool inc, active;
-  int ce;  // restart period in steps
+  int ce;      // restart period in steps
+  int o0, ds;  // this thread's pixel at scan step 0, and the offset of one scan step (elements)
   const Bits* g;
   const Bits* x;
   const Bits* lam;
@@ -185,21 +188,19 @@ struct BlockView {
     inc = (bi.d & 1) == 0;
     active = q < L;
     ce = (p.chunk > 0 && p.chunk < S) ? p.chunk : S;
+    ds = horiz ? (inc ? 1 : -1) : (inc ? W : -W);
+    o0 = horiz ? q * W + (inc ? 0 : S - 1) : (inc ? 0 : (S - 1) * W) + q;
     const int c0 = bi.grp * p.G + bi.sl * CS;
     g = static_cast<const Bits*>(p.gates) + (bi.b * p.g_sb + bi.d * p.g_sd + bi.grp * p.g_sk);
     x = static_cast<const Bits*>(p.x) + (bi.b * p.x_sb + c0 * p.x_sc);
     lam = static_cast<const Bits*>(p.lam) + (bi.b * p.lam_sb + bi.d * p.lam_sd + c0 * p.lam_sc);
   }
   // Offset of this thread's pixel at scan step s.
-  template <bool HORIZ>
-  __device__ __forceinline__ int64_t off(int s) const {
-    const int idx = inc ? s : S - 1 - s;
-    return HORIZ ? int64_t(q) * W + idx : int64_t(idx) * W + q;
-  }
-  // First image column of horizontal tile kt (T steps), and this thread's offset there.
+  __device__ __forceinline__ int off(int s) const { return o0 + s * ds; }
+  // This thread's offset at the first image column of horizontal tile kt (T steps).
   template <int T>
-  __device__ __forceinline__ int64_t tile_off(int kt) const {
-    return int64_t(q) * W + (inc ? kt * T : W - (kt + 1) * T);
+  __device__ __forceinline__ int tile_off(int kt) const {
+    return q * W + (inc ? kt * T : W - (kt + 1) * T);
   }
 };
 
@@ -218,7 +219,9 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
   using EL = Elem<scalar_t>;
   using Bits = typename EL::bits;
   const BlockView<Bits, CS> v(p, bi, HORIZ);
-  const int pp = p.pp;
+  constexpr int LS = fast_line_stride(CS, false);
+  float* const lq0 = line + (v.q + 1) * LS;  // this thread's position in exchange line 0 (halo-shifted by one)
+  float* const lq1 = lq0 + p.pp * LS;        // ... and in line 1
   Bits* const h = static_cast<Bits*>(p.h) + (bi.b * p.h_sb + bi.d * p.h_sd + (bi.grp * p.G + bi.sl * CS) * p.h_sc);
 
   // Slot j holds step s with s % D == j. AHEAD: the gate slots are refilled a group at a time (after the
@@ -226,12 +229,12 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
   Bits rg[D][3] = {}, rx[D][CS], rl[D][CS];
 #define GSPN2_FWD_LOAD_GATES(j, s)                                                 \
   if (v.active && (s) < v.S) {                                                     \
-    const int64_t o_ = v.template off<HORIZ>(s);                                   \
+    const int o_ = v.off(s);                                   \
     _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
   }
 #define GSPN2_FWD_LOAD_XL(j, s)                                                    \
   if (v.active && (s) < v.S) {                                                     \
-    const int64_t o_ = v.template off<HORIZ>(s);                                   \
+    const int o_ = v.off(s);                                   \
     _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
       rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
       rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
@@ -244,7 +247,7 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
   }
 
   float wq[AHEAD ? D : 1][3];  // AHEAD: the weights of the group's steps
-  int par = 0, sm = 0;
+  int sm = 0;
   for (int s0 = 0; s0 < v.S; s0 += D) {
     if constexpr (AHEAD) {
       int smt = sm;
@@ -268,8 +271,9 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
       const int s = s0 + j;
       if (s >= v.S) break;
       const bool restart = sm == 0;
-      const float* prev = line + par * CS * pp;
-      float* next = line + (par ^ 1) * CS * pp;
+      const bool odd = (D % 2 == 0 ? j : s) & 1;  // step s reads line s % 2 (a constant when D is even)
+      const float* prev = odd ? lq1 : lq0;
+      float* next = odd ? lq0 : lq1;
       if (v.active) {
         float w0 = 0.f, w1 = 0.f, w2 = 0.f;
         if constexpr (AHEAD) {
@@ -280,17 +284,16 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
           w1 = gt.s1 * gt.inv;
           w2 = gt.a2 * gt.inv;
         }
-        const int64_t o = v.template off<HORIZ>(s);
+        const int o = v.off(s);
 #pragma unroll
         for (int c = 0; c < CS; ++c) {
           float hv = EL::load(rx[j][c]) * EL::load(rl[j][c]);
-          if (!restart) {
-            const float* pc = prev + c * pp + v.q;  // positions q - 1, q, q + 1 (halo-shifted by one)
-            hv = fmaf(w0, pc[0], hv);
-            hv = fmaf(w1, pc[1], hv);
-            hv = fmaf(w2, pc[2], hv);
+          if (!restart) {  // positions q - 1, q, q + 1
+            hv = fmaf(w0, prev[c - LS], hv);
+            hv = fmaf(w1, prev[c], hv);
+            hv = fmaf(w2, prev[c + LS], hv);
           }
-          next[c * pp + v.q + 1] = hv;
+          next[c] = hv;
           h[c * p.h_sc + o] = EL::store(hv);
         }
         if (!AHEAD) {
@@ -299,7 +302,6 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
         GSPN2_FWD_LOAD_XL(j, s + D)
       }
       __syncthreads();
-      par ^= 1;
       sm = (sm + 1 == v.ce) ? 0 : sm + 1;
     }
   }
@@ -317,13 +319,15 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
   constexpr int VB = T * int(sizeof(Bits));
   constexpr int NW = VB / 4;
   const BlockView<Bits, CS> v(p, bi, true);
-  const int pp = p.pp;
+  constexpr int LS = fast_line_stride(CS, false);
+  float* const lq0 = line + (v.q + 1) * LS;  // this thread's position in exchange lines 0 and 1
+  float* const lq1 = lq0 + p.pp * LS;
   Bits* const h = static_cast<Bits*>(p.h) + (bi.b * p.h_sb + bi.d * p.h_sd + (bi.grp * p.G + bi.sl * CS) * p.h_sc);
   const Stage<VB> st{stage_mem, int(blockDim.x), v.q};
   const int ntl = v.S / T;  // W % T == 0 (plan)
 
   auto issue = [&](int kt) {
-    const int64_t o = v.template tile_off<T>(kt);
+    const int o = v.template tile_off<T>(kt);
 #pragma unroll
     for (int k = 0; k < 3; ++k) st.copy(k, v.g + k * p.g_so + o);
 #pragma unroll
@@ -336,7 +340,7 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
   uint32_t tg[3][NW] = {}, tx[CS][NW], tl[CS][NW];
   if (v.active) issue(0);
   copy_async_commit();
-  int par = 0, sm = 0;
+  int sm = 0;
   for (int kt = 0; kt < ntl; ++kt) {
     if (v.active) {
       copy_async_wait_all();
@@ -377,8 +381,8 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const bool restart = sm == 0;
-      const float* prev = line + par * CS * pp;
-      float* next = line + (par ^ 1) * CS * pp;
+      const float* prev = (t & 1) ? lq1 : lq0;  // step kt * T + t reads line t % 2 (T is even)
+      float* next = (t & 1) ? lq0 : lq1;
       if (v.active) {
         float w0 = 0.f, w1 = 0.f, w2 = 0.f;
         if constexpr (AHEAD) {
@@ -394,21 +398,19 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
         for (int c = 0; c < CS; ++c) {
           float hv = EL::load(PK::get(tx[c], t)) * EL::load(PK::get(tl[c], t));
           if (!restart) {
-            const float* pc = prev + c * pp + v.q;
-            hv = fmaf(w0, pc[0], hv);
-            hv = fmaf(w1, pc[1], hv);
-            hv = fmaf(w2, pc[2], hv);
+            hv = fmaf(w0, prev[c - LS], hv);
+            hv = fmaf(w1, prev[c], hv);
+            hv = fmaf(w2, prev[c + LS], hv);
           }
-          next[c * pp + v.q + 1] = hv;
+          next[c] = hv;
           PK::put(tx[c], t, EL::store(hv));  // the output takes the place of x
         }
       }
       __syncthreads();
-      par ^= 1;
       sm = (sm + 1 == v.ce) ? 0 : sm + 1;
     }
     if (v.active) {
-      const int64_t o = v.template tile_off<T>(kt);
+      const int o = v.template tile_off<T>(kt);
 #pragma unroll
       for (int c = 0; c < CS; ++c) {
         if (!v.inc) PK::reverse(tx[c]);
@@ -428,11 +430,13 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
   if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
   float* const line = reinterpret_cast<float*>(smem);
-  for (int i = threadIdx.x; i < 2 * CS * p.pp; i += blockDim.x) line[i] = 0.f;
+  constexpr int LS = fast_line_stride(CS, false);
+  static_assert(kFastTileF % 2 == 0, "the tile's steps alternate the two exchange lines");
+  for (int i = threadIdx.x; i < 2 * LS * p.pp; i += blockDim.x) line[i] = 0.f;
   __syncthreads();
   if (bi.d < 2) {
     if (p.tile_h) {
-      forward_tile<scalar_t, CS, AHEAD>(p, bi, line, smem + 2 * CS * p.pp * 4);
+      forward_tile<scalar_t, CS, AHEAD>(p, bi, line, smem + 2 * LS * p.pp * 4);
     } else {
       forward_ring<scalar_t, CS, D, true, AHEAD>(p, bi, line);
     }
@@ -471,26 +475,27 @@ struct StepOut {
 template <int CS>
 __device__ __forceinline__ void backward_step(const Gates& gt, const float (&xv)[CS], const float (&lv)[CS],
                                               const float (&ghv)[CS], bool restart, bool has_next, int q, int L,
-                                              const float* rd, float* wr, int pp, StepOut<CS>& out) {
+                                              const float* rq, float* wq, StepOut<CS>& out) {
+  // rq, wq: this thread's position in the line read and the line written (kinds 0..3 x CS channels each).
+  constexpr int LS = fast_line_stride(CS, true);
   const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
   float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
 #pragma unroll
   for (int c = 0; c < CS; ++c) {
     float adj = ghv[c];
     if (has_next) {
-      // C_0 from q, C_-1 from q + 1, C_+1 from q - 1 (lines are halo-shifted by one).
-      adj += (rd[(1 * CS + c) * pp + q + 1] + rd[(0 * CS + c) * pp + q + 2]) + rd[(2 * CS + c) * pp + q];
+      // C_0 from q, C_-1 from q + 1, C_+1 from q - 1.
+      adj += (rq[1 * CS + c] + rq[LS + 0 * CS + c]) + rq[-LS + 2 * CS + c];
     }
     out.glam[c] = xv[c] * adj;
     out.gx[c] = lv[c] * adj;
     if (!restart) {
-      const float* hr = rd + (3 * CS + c) * pp + q;
-      gw0 = fmaf(adj, hr[0], gw0);
-      gw1 = fmaf(adj, hr[1], gw1);
-      gw2 = fmaf(adj, hr[2], gw2);
-      wr[(0 * CS + c) * pp + q + 1] = w0 * adj;
-      wr[(1 * CS + c) * pp + q + 1] = w1 * adj;
-      wr[(2 * CS + c) * pp + q + 1] = w2 * adj;
+      gw0 = fmaf(adj, rq[-LS + 3 * CS + c], gw0);  // h_{s-1} at q - 1, q, q + 1
+      gw1 = fmaf(adj, rq[3 * CS + c], gw1);
+      gw2 = fmaf(adj, rq[LS + 3 * CS + c], gw2);
+      wq[0 * CS + c] = w0 * adj;
+      wq[1 * CS + c] = w1 * adj;
+      wq[2 * CS + c] = w2 * adj;
     }
   }
   out.gg[0] = out.gg[1] = out.gg[2] = 0.f;
@@ -521,7 +526,9 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   static_assert(D >= 3, "the ring must hold h two steps ahead");
   const BlockView<Bits, CS> v(p, bi, HORIZ);
   const BackwardOut<Bits, CS> out(p, bi);
-  const int pp = p.pp;
+  constexpr int LS = fast_line_stride(CS, true);
+  float* const eq0 = ex + (v.q + 1) * LS;  // this thread's position in exchange lines 0 and 1
+  float* const eq1 = eq0 + p.pp * LS;
   const int c0 = bi.grp * p.G + bi.sl * CS;
   const Bits* const gh = static_cast<const Bits*>(p.grad_h) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
   const Bits* const hs = static_cast<const Bits*>(p.h_saved) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
@@ -532,12 +539,12 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   Bits rg[D][3] = {}, rx[D][CS], rl[D][CS], rgh[D][CS], rh[D][CS];
 #define GSPN2_BWD_LOAD_GATES(j, i)                                                 \
   if (v.active && (i) < v.S) {                                                     \
-    const int64_t o_ = v.template off<HORIZ>(v.S - 1 - (i));                       \
+    const int o_ = v.off(v.S - 1 - (i));                       \
     _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
   }
 #define GSPN2_BWD_LOAD_REST(j, i)                                                  \
   if (v.active && (i) < v.S) {                                                     \
-    const int64_t o_ = v.template off<HORIZ>(v.S - 1 - (i));                       \
+    const int o_ = v.off(v.S - 1 - (i));                       \
     _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
       rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
       rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
@@ -553,11 +560,10 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   // The first step (s = S - 1) reads h_{S-2}: write it before the loop.
   if (v.active && v.S >= 2) {
 #pragma unroll
-    for (int c = 0; c < CS; ++c) ex[(3 * CS + c) * pp + v.q + 1] = EL::load(rh[1][c]);
+    for (int c = 0; c < CS; ++c) eq0[3 * CS + c] = EL::load(rh[1][c]);
   }
   __syncthreads();
 
-  int par = 0;
   int sm = (v.S - 1) % v.ce;  // s % ce of the step being processed
   Gates gq[AHEAD ? D : 1];    // the gates of the group's steps (AHEAD), or of the current step
   for (int i0 = 0; i0 < v.S; i0 += D) {
@@ -580,8 +586,9 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
       const int s = v.S - 1 - i;
       const bool restart = sm == 0;
       const bool has_next = i > 0 && sm + 1 != v.ce;
-      const float* rd = ex + par * 4 * CS * pp;
-      float* wr = ex + (par ^ 1) * 4 * CS * pp;
+      const bool odd = (D % 2 == 0 ? j : i) & 1;  // step i reads line i % 2 (a constant when D is even)
+      const float* rq = odd ? eq1 : eq0;
+      float* wq = odd ? eq0 : eq1;
       if (v.active) {
         if constexpr (!AHEAD) {
           gq[0] = step_gates(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), restart, v.q, v.L);
@@ -594,12 +601,12 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
           ghv[c] = EL::load(rgh[j][c]);
         }
         StepOut<CS> r;
-        backward_step<CS>(gq[AHEAD ? j : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
+        backward_step<CS>(gq[AHEAD ? j : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rq, wq, r);
         if (i + 2 < v.S) {  // h_{s-2} for the next step
 #pragma unroll
-          for (int c = 0; c < CS; ++c) wr[(3 * CS + c) * pp + v.q + 1] = EL::load(rh[(j + 2) % D][c]);
+          for (int c = 0; c < CS; ++c) wq[3 * CS + c] = EL::load(rh[(j + 2) % D][c]);
         }
-        const int64_t o = v.template off<HORIZ>(s);
+        const int o = v.off(s);
 #pragma unroll
         for (int c = 0; c < CS; ++c) {
           out.glam[c * p.h_sc + o] = EL::store(r.glam[c]);
@@ -619,7 +626,6 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
         GSPN2_BWD_LOAD_REST(j, i + D)
       }
       __syncthreads();
-      par ^= 1;
       sm = (sm == 0) ? v.ce - 1 : sm - 1;
     }
   }
@@ -638,7 +644,9 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
   constexpr int NW = VB / 4;
   const BlockView<Bits, CS> v(p, bi, true);
   const BackwardOut<Bits, CS> out(p, bi);
-  const int pp = p.pp;
+  constexpr int LS = fast_line_stride(CS, true);
+  float* const eq0 = ex + (v.q + 1) * LS;  // this thread's position in exchange lines 0 and 1
+  float* const eq1 = eq0 + p.pp * LS;
   const int c0 = bi.grp * p.G + bi.sl * CS;
   const Bits* const gh = static_cast<const Bits*>(p.grad_h) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
   const Bits* const hs = static_cast<const Bits*>(p.h_saved) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
@@ -650,7 +658,7 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
   const int kh = 3 + 3 * CS;
 
   auto issue = [&](int kt) {
-    const int64_t o = v.template tile_off<T>(kt);
+    const int o = v.template tile_off<T>(kt);
 #pragma unroll
     for (int k = 0; k < 3; ++k) st.copy(k, v.g + k * p.g_so + o);
 #pragma unroll
@@ -665,7 +673,6 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
   uint32_t tg[3][NW] = {}, tx[CS][NW], tl[CS][NW], tgh[CS][NW], th[CS][NW];
   if (v.active) issue(ntl - 1);
   copy_async_commit();
-  int par = 0;
   int sm = (v.S - 1) % v.ce;
   for (int m = 0; m < ntl; ++m) {
     const int kt = ntl - 1 - m;  // tiles from the end of the scan
@@ -697,7 +704,7 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
     if (m == 0) {  // the first step (s = S - 1 = element T - 1) reads h_{S-2} = element T - 2
       if (v.active) {
 #pragma unroll
-        for (int c = 0; c < CS; ++c) ex[(3 * CS + c) * pp + v.q + 1] = EL::load(PK::get(th[c], T - 2));
+        for (int c = 0; c < CS; ++c) eq0[3 * CS + c] = EL::load(PK::get(th[c], T - 2));
       }
       __syncthreads();
     }
@@ -722,8 +729,9 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
       const int s = kt * T + t;
       const bool restart = sm == 0;
       const bool has_next = s < v.S - 1 && sm + 1 != v.ce;
-      const float* rd = ex + par * 4 * CS * pp;
-      float* wr = ex + (par ^ 1) * 4 * CS * pp;
+      const bool odd = (T - 1 - t) & 1;  // processing index m * T + T - 1 - t reads line (T - 1 - t) % 2
+      const float* rq = odd ? eq1 : eq0;
+      float* wq = odd ? eq0 : eq1;
       if (v.active) {
         float xv[CS], lv[CS], ghv[CS];
 #pragma unroll
@@ -737,7 +745,7 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
                               restart, v.q, v.L);
         }
         StepOut<CS> r;
-        backward_step<CS>(gts[AHEAD ? t : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rd, wr, pp, r);
+        backward_step<CS>(gts[AHEAD ? t : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rq, wq, r);
         if (s >= 2) {  // h_{s-2} for the next step: this tile's element t - 2, or the next tile's
 #pragma unroll
           for (int c = 0; c < CS; ++c) {
@@ -749,7 +757,7 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
               const int u = T - 2 + t;            // its element holding scan step s - 2
               hv = EL::load(st.template peek<Bits>(kh + c, v.inc ? u : T - 1 - u));
             }
-            wr[(3 * CS + c) * pp + v.q + 1] = hv;
+            wq[3 * CS + c] = hv;
           }
         }
 #pragma unroll
@@ -761,11 +769,10 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
         for (int k = 0; k < 3; ++k) o_f[((CS + k) * T + t) * nthr + v.q] = r.gg[k];
       }
       __syncthreads();
-      par ^= 1;
       sm = (sm == 0) ? v.ce - 1 : sm - 1;
     }
     if (v.active) {  // memory order: element t of the stage is scan step kt * T + t
-      const int64_t o = v.template tile_off<T>(kt);
+      const int o = v.template tile_off<T>(kt);
       auto at = [&](int t) { return v.inc ? t : T - 1 - t; };
 #pragma unroll
       for (int c = 0; c < CS; ++c) {
@@ -806,13 +813,15 @@ __global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_con
   if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
   float* const ex = reinterpret_cast<float*>(smem);
-  for (int i = threadIdx.x; i < 2 * 4 * CS * p.pp; i += blockDim.x) ex[i] = 0.f;
+  constexpr int LS = fast_line_stride(CS, true);
+  static_assert(kFastTileB % 2 == 0, "the tile's steps alternate the two exchange lines");
+  for (int i = threadIdx.x; i < 2 * LS * p.pp; i += blockDim.x) ex[i] = 0.f;
   __syncthreads();
   if (bi.d < 2) {
     if (p.tile_h) {
       constexpr int T = kFastTileB;
       constexpr int esize = int(sizeof(typename Elem<scalar_t>::bits));
-      unsigned char* const stage = smem + 2 * 4 * CS * p.pp * 4;
+      unsigned char* const stage = smem + 2 * LS * p.pp * 4;
       backward_tile<scalar_t, CS, AHEAD>(p, bi, ex, stage, stage + blockDim.x * (3 + 4 * CS) * T * esize);
     } else {
       backward_ring<scalar_t, CS, D, true, AHEAD>(p, bi, ex);
