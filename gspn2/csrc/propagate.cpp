@@ -222,12 +222,21 @@ bool make_plan_fast(PropagateParams& p, bool backward, const PlanOptions& o, int
   }
   p.nsl = p.G / p.cs;
   p.pp = round_up(lmax + 2, 4);
-  const int line_bytes = 2 * fast_line_stride(p.cs, backward) * p.pp * 4;
   const int T = backward ? kFastTileB : kFastTileF;
   const int planes = backward ? 3 + 4 * p.cs : 3 + 2 * p.cs;
   // Backward tiles also stage their outputs: grad_lam (input dtype), grad_x term and gate gradients (fp32).
   const int out_bytes = backward ? align16(p.cs * T * p.nt * esize) + (p.cs + 3) * T * p.nt * 4 : 0;
   const int stage_bytes = p.nt * planes * T * esize + out_bytes;
+  // The exchange line's stride: padded (conflict-free); unpadded for the 1024-thread blocks' backward where
+  // only that leaves room for the horizontal scans' tile stage (lines of about 1000 pixels in float32;
+  // otherwise they would fall back to the ring's strided loads, 2.5x slower at 1024^2). Not when the
+  // cluster kernel takes the horizontal directions: the vertical blocks need no stage.
+  p.ls = fast_line_stride(p.cs, backward);
+  if (backward && p.nt > kFastSmallThreads && p.ncta == 0 && p.W % T == 0 &&
+      2 * p.ls * p.pp * 4 + stage_bytes > smem_limit) {
+    p.ls = 4 * p.cs;
+  }
+  const int line_bytes = 2 * p.ls * p.pp * 4;
   p.tile_h = (p.W % T == 0 && line_bytes + stage_bytes <= smem_limit && !(p.ablate & 64)) ? 1 : 0;
   p.smem_bytes = line_bytes + (p.tile_h ? stage_bytes : 0);
   p.T = p.tile_h ? T : 0;
@@ -507,6 +516,7 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   if (p.kernel == 2) {
     d["threads"] = p.nt;
     d["tile_h"] = bool(p.tile_h);
+    d["line_stride"] = p.ls;
     d["cluster_ctas"] = p.ncta;  // > 0: the horizontal directions run in the cluster kernel
     if (p.ncta > 0) d["cluster_smem_bytes"] = p.cluster_smem;
   } else {

@@ -27,6 +27,8 @@ constexpr int kFastTileB = 4;           // backward: scan steps per horizontal t
 // Streaming kernels' fp32 exchange line: per line position, the values of all channels side by side (forward:
 // h of cs channels; backward: C_-1, C_0, C_+1 and h_{s-1} of cs channels), padded to an odd float count so
 // that a warp's accesses at consecutive positions fall in different banks. Two such lines (double buffer).
+// The backward of the 1024-thread blocks may run unpadded (PropagateParams::ls) where the padding would
+// push the horizontal tile stage out of shared memory.
 __host__ __device__ constexpr int fast_line_stride(int cs, bool backward) { return (backward ? 4 * cs : cs) | 1; }
 // Cluster kernels (propagate_cluster.cu, sm_90, forward and backward of the horizontal directions): each line
 // split over 2, 4 or 8 CTAs of a thread-block cluster, at most kClusterMaxRows own rows per CTA.
@@ -110,6 +112,7 @@ struct PropagateParams {
   int nt;      // threads per block: one per line position, rounded up to a warp
   int pp;      // floats per fp32 exchange line in shared memory (longest line + 2 halo, rounded)
   int tile_h;  // horizontal scans load tiles of kFastTileF / kFastTileB steps through a per-thread stage
+  int ls;      // floats per line position of the exchange line (fast_line_stride, or unpadded: see there)
   int ncta;          // > 0: the horizontal directions run in the cluster kernel, ncta CTAs per line
   int cluster_smem;  // its dynamic shared memory per CTA
   int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans

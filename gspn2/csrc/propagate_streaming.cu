@@ -475,9 +475,9 @@ struct StepOut {
 template <int CS>
 __device__ __forceinline__ void backward_step(const Gates& gt, const float (&xv)[CS], const float (&lv)[CS],
                                               const float (&ghv)[CS], bool restart, bool has_next, int q, int L,
-                                              const float* rq, float* wq, StepOut<CS>& out) {
-  // rq, wq: this thread's position in the line read and the line written (kinds 0..3 x CS channels each).
-  constexpr int LS = fast_line_stride(CS, true);
+                                              const float* rq, float* wq, int LS, StepOut<CS>& out) {
+  // rq, wq: this thread's position in the line read and the line written (kinds 0..3 x CS channels each,
+  // LS floats per position: a constant in blocks of up to 256 threads).
   const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
   float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
 #pragma unroll
@@ -526,7 +526,7 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   static_assert(D >= 3, "the ring must hold h two steps ahead");
   const BlockView<Bits, CS> v(p, bi, HORIZ);
   const BackwardOut<Bits, CS> out(p, bi);
-  constexpr int LS = fast_line_stride(CS, true);
+  const int LS = AHEAD ? fast_line_stride(CS, true) : p.ls;
   float* const eq0 = ex + (v.q + 1) * LS;  // this thread's position in exchange lines 0 and 1
   float* const eq1 = eq0 + p.pp * LS;
   const int c0 = bi.grp * p.G + bi.sl * CS;
@@ -601,7 +601,7 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
           ghv[c] = EL::load(rgh[j][c]);
         }
         StepOut<CS> r;
-        backward_step<CS>(gq[AHEAD ? j : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rq, wq, r);
+        backward_step<CS>(gq[AHEAD ? j : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rq, wq, LS, r);
         if (i + 2 < v.S) {  // h_{s-2} for the next step
 #pragma unroll
           for (int c = 0; c < CS; ++c) wq[3 * CS + c] = EL::load(rh[(j + 2) % D][c]);
@@ -644,7 +644,7 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
   constexpr int NW = VB / 4;
   const BlockView<Bits, CS> v(p, bi, true);
   const BackwardOut<Bits, CS> out(p, bi);
-  constexpr int LS = fast_line_stride(CS, true);
+  const int LS = AHEAD ? fast_line_stride(CS, true) : p.ls;
   float* const eq0 = ex + (v.q + 1) * LS;  // this thread's position in exchange lines 0 and 1
   float* const eq1 = eq0 + p.pp * LS;
   const int c0 = bi.grp * p.G + bi.sl * CS;
@@ -745,7 +745,7 @@ __device__ __forceinline__ void backward_tile(const PropagateParams& p, const Bl
                               restart, v.q, v.L);
         }
         StepOut<CS> r;
-        backward_step<CS>(gts[AHEAD ? t : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rq, wq, r);
+        backward_step<CS>(gts[AHEAD ? t : 0], xv, lv, ghv, restart, has_next, v.q, v.L, rq, wq, LS, r);
         if (s >= 2) {  // h_{s-2} for the next step: this tile's element t - 2, or the next tile's
 #pragma unroll
           for (int c = 0; c < CS; ++c) {
@@ -813,7 +813,7 @@ __global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_con
   if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
   float* const ex = reinterpret_cast<float*>(smem);
-  constexpr int LS = fast_line_stride(CS, true);
+  const int LS = AHEAD ? fast_line_stride(CS, true) : p.ls;
   static_assert(kFastTileB % 2 == 0, "the tile's steps alternate the two exchange lines");
   for (int i = threadIdx.x; i < 2 * LS * p.pp; i += blockDim.x) ex[i] = 0.f;
   __syncthreads();

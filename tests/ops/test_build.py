@@ -47,6 +47,17 @@ def test_kernel_choice():
     assert _cuda.plan(1, 8, 256, 256, 1, "float32")["cs"] == 1
     big = _cuda.plan(16, 2, 1024, 1024, 2, "float32")
     assert big["kernel"] == "fast" and big["threads"] == 1024 and big["cs"] == 1 and big["tile_h"]
+    # The backward's exchange line: padded to an odd stride (conflict-free), except in 1024-thread blocks
+    # where only the unpadded line leaves room for the horizontal tile stage (float32, lines near 1024).
+    assert _cuda.plan(128, 2, 56, 56, 1, "bfloat16", backward=True)["line_stride"] == 9
+    assert _cuda.plan(128, 2, 56, 56, 1, "bfloat16")["line_stride"] == 3
+    near = _cuda.plan(1, 1, 40, 1024, 1, "float32", backward=True, kernel="fast")
+    assert near["threads"] == 1024 and near["line_stride"] == 4 and near["tile_h"]
+    assert _cuda.plan(1, 1, 40, 512, 1, "float32", backward=True, kernel="fast")["line_stride"] == 5
+    # ... and padded when the cluster kernel takes the horizontal directions (no stage needed).
+    clustered = _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)
+    assert clustered["cluster_ctas"] > 0 and clustered["line_stride"] == 5
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True, kernel="fast")["line_stride"] == 4
     assert _cuda.plan(1, 2, 1100, 3, 1, "float32")["kernel"] == "general"
     longest = _cuda.limits()["fast_max_line"]  # the extension's limit, not a copy
     assert _cuda.plan(1, 2, longest, 3, 1, "float32")["kernel"] == "fast"
