@@ -87,9 +87,9 @@ def run(path: str, launch: bool) -> None:
         outs = [h, *bwd(), hc, *bwd(hc, 5)]
         whole = x.numel() <= WHOLE_MAX
         result["outputs"][key(shape)] = [t.cpu() if whole else t.float().sum().reshape(1).cpu() for t in outs]
-        result["rows"][key(shape)] = (1e3 * ms(fwd), 1e3 * ms(bwd))
-        print(f"{key(shape):32s} fwd {result['rows'][key(shape)][0]:9.2f} us  bwd {result['rows'][key(shape)][1]:9.2f} us",
-              flush=True)
+        t_fwd, t_bwd = 1e3 * ms(fwd), 1e3 * ms(bwd)
+        result["rows"][key(shape)] = (t_fwd, t_bwd)
+        print(f"{key(shape):32s} fwd {t_fwd:9.2f} us  bwd {t_bwd:9.2f} us", flush=True)
     result["device"] = torch.cuda.get_device_name()
     torch.save(result, path)
 

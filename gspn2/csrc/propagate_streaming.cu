@@ -447,7 +447,8 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
 
 // ------------------------------------------------------------------------------------------------
 // Backward: the reverse scan (see propagate_general.cu for the recurrence). Exchange line layout:
-// ex[parity][kind][c][pp], kinds 0..2 = C_o = w_o * adj of offsets -1, 0, +1; kind 3 = h_{s-1}.
+// ex[parity][position][kind * CS + c], LS floats per position (fast_line_stride, or unpadded:
+// PropagateParams::ls), kinds 0..2 = C_o = w_o * adj of offsets -1, 0, +1; kind 3 = h_{s-1}.
 // ------------------------------------------------------------------------------------------------
 
 // The gates of one backward step: normalised, or on a restart step the value whose weights are zero.
