@@ -110,7 +110,7 @@ struct PropagateParams {
   // Streaming kernels (propagate_streaming.cu), chosen when kernel == 2.
   int kernel;  // 1: general kernels, 2: streaming kernels
   int nt;      // threads per block: one per line position, rounded up to a warp
-  int pp;      // floats per fp32 exchange line in shared memory (longest line + 2 halo, rounded)
+  int pp;      // positions per exchange line (longest line + 2 halo, rounded); ls floats each
   int tile_h;  // horizontal scans load tiles of kFastTileF / kFastTileB steps through a per-thread stage
   int ls;      // floats per line position of the exchange line (fast_line_stride, or unpadded: see there)
   int ncta;          // > 0: the horizontal directions run in the cluster kernel, ncta CTAs per line
