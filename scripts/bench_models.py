@@ -59,6 +59,8 @@ class Result:
 #: ``--modes`` other than eager -> the ``torch.compile`` mode ("compile-ro": CUDA graphs on top of Inductor;
 #: "compile-ma": also Inductor's autotuned GEMM templates, which can take the pointwise ops around a GEMM).
 COMPILE_MODES = {"compile": "default", "compile-ro": "reduce-overhead", "compile-ma": "max-autotune"}
+#: The modes whose compiled model replays CUDA graphs (their memory pool is allocated while recording).
+GRAPH_MODES = ("compile-ro", "compile-ma")
 
 
 def _wrap(model: torch.nn.Module, mode: str):
@@ -84,10 +86,19 @@ def bench_infer(name: str, mode: str, resolution: int, batch: int, warmup: int, 
             fwd(x)
 
     torch.cuda.reset_peak_memory_stats()
+    res.extra["first_call_s"] = _first_call_s(step)
     ms = median_ms(step, warmup, iters)
     res.ms_per_iter, res.img_per_s = ms, batch / ms * 1e3
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
     return res
+
+
+def _first_call_s(step) -> float:
+    """Seconds of the first call (for compiled modes mostly the compilation), synchronised."""
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    return round(time.perf_counter() - t0, 1)
 
 
 def bench_train(name: str, mode: str, resolution: int, batch: int, warmup: int, iters: int) -> Result:
@@ -109,12 +120,12 @@ def bench_train(name: str, mode: str, resolution: int, batch: int, warmup: int, 
     # The peak is this model's own: without the reset, a compile-ro run would report the largest peak of
     # every model measured before it in this process.
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(2):  # allocate optimizer state before measuring peak memory
-        step()
+    res.extra["first_call_s"] = _first_call_s(step)
+    step()  # the optimizer state exists before the peak memory is measured
     torch.cuda.synchronize()
-    # CUDA graphs (compile-ro) allocate their memory pool while recording, in these first steps, and
-    # replays allocate nothing: the peak must include the recording, so it is not reset for them.
-    if mode != "compile-ro":
+    # CUDA graphs (compile-ro, compile-ma) allocate their memory pool while recording, in these first steps,
+    # and replays allocate nothing: the peak must include the recording, so it is not reset for them.
+    if mode not in GRAPH_MODES:
         torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step, warmup, iters)
     res.ms_per_iter, res.img_per_s = ms, batch / ms * 1e3
@@ -261,6 +272,14 @@ def report(results: list[Result], env: dict, args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def _print(r: Result) -> None:
+    if r.error:
+        what = r.error
+    else:
+        what = f"{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB  first call {r.extra.get('first_call_s')} s"
+    print(f"{r.model:32s} {r.task} {r.mode:10s} {r.resolution:5d}: {what}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
@@ -309,14 +328,12 @@ def main() -> None:
                     r = run_one(bench_infer, name, mode, res, INFER_BATCH.get(res, 8), args.warmup, args.iters)
                     results.append(r)
                     save_json(args.json, env, args, results)
-                    print(f"{name:32s} infer {mode:7s} {res:5d}: "
-                          f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
+                    _print(r)
                 for res in args.train_resolutions:
                     r = run_one(bench_train, name, mode, res, args.train_batch, args.warmup, args.iters)
                     results.append(r)
                     save_json(args.json, env, args, results)
-                    print(f"{name:32s} train {mode:7s} {res:5d}: "
-                          f"{r.error or f'{r.img_per_s:9.0f} img/s  {r.peak_mem_gb:6.1f} GB'}", flush=True)
+                    _print(r)
 
     report(results, env, args)
 

@@ -1,16 +1,27 @@
-"""gspn2's ops: the GSPN-2 propagation operator and the channels-last depthwise convolution.
+"""gspn2's ops: the GSPN-2 propagation operator, the channels-last depthwise convolution and the mixer's fused
+output chain.
 
-One public entry point each (:func:`gspn_propagate`, :func:`depthwise_conv2d`) and the pure-PyTorch reference
-of the propagation (:func:`gspn_propagate_ref`, the specification in code). On CUDA tensors the fused kernels
+One public entry point each (:func:`gspn_propagate`, :func:`depthwise_conv2d`, :func:`merge_norm_gate`) and the
+pure-PyTorch references of the propagation (:func:`gspn_propagate_ref`, the specification in code) and of the
+output chain (:func:`merge_norm_gate_ref`). On CUDA tensors the fused kernels
 of ``gspn2/csrc`` run (registered in C++ when the extension is imported, :mod:`gspn2.ops._cuda`); elsewhere
 the references do. Backend and kernel choices: :mod:`gspn2.ops.options`.
 """
 
 from gspn2.ops.propagate import gspn_propagate
 from gspn2.ops.dwconv import depthwise_conv2d
+from gspn2.ops.merge import merge_norm_gate, merge_norm_gate_ref
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 from gspn2.ops import _cuda  # noqa: F401  (imports the extension, which registers the CUDA kernels)
 from gspn2.ops import options
 
-__all__ = ["depthwise_conv2d", "gspn_propagate", "gspn_propagate_ref", "gspn_propagate_backward_ref", "options"]
+__all__ = [
+    "depthwise_conv2d",
+    "gspn_propagate",
+    "gspn_propagate_backward_ref",
+    "gspn_propagate_ref",
+    "merge_norm_gate",
+    "merge_norm_gate_ref",
+    "options",
+]
 from gspn2.ops import _flops  # noqa: E402,F401  (FLOP formulas of the gspn2:: ops for FlopCounterMode and fvcore)

@@ -19,6 +19,10 @@ MACs per op, as :mod:`gspn2.counting` defines them:
   ``+ x`` and SiLU are elementwise and not counted).
 * ``gspn2::depthwise_conv2d_backward``: ``K * K`` per element of the input gradient plus ``K * K`` per
   element of ``grad_y`` for the weight gradient, as FlopCounterMode counts ``convolution_backward``.
+* ``gspn2::merge_norm_gate``: ``R`` per output element, the ``(N, R) x (R, E)`` product it contains (as a
+  linear layer; the skip, the norm and the gate are elementwise and not counted).
+* ``gspn2::merge_norm_gate_backward``: ``2 R`` per output element, the input and weight gradients of that
+  product.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from gspn2.counting import PROPAGATE_MACS_PER_ELEMENT, fvcore_available, register_fvcore_default_handles
 from gspn2.ops import dwconv as _dwconv  # noqa: F401  (defines gspn2::depthwise_conv2d and its backward)
+from gspn2.ops import merge as _merge  # noqa: F401  (defines gspn2::merge_norm_gate and its backward)
 
 __all__ = ["FLOPS_PER_MAC", "PROPAGATE_BACKWARD_MACS_PER_ELEMENT"]
 
@@ -58,6 +63,16 @@ def _depthwise_conv2d_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -
 def _depthwise_conv2d_backward_flops(grad_y_shape, x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     taps = w_shape[2] * w_shape[3]
     return FLOPS_PER_MAC * taps * (math.prod(x_shape) + math.prod(grad_y_shape))
+
+
+@register_flop_formula(torch.ops.gspn2.merge_norm_gate)
+def _merge_norm_gate_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return FLOPS_PER_MAC * math.prod(x_shape) * w_shape[0]
+
+
+@register_flop_formula(torch.ops.gspn2.merge_norm_gate_backward)
+def _merge_norm_gate_backward_flops(grad_out_shape, x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return FLOPS_PER_MAC * 2 * math.prod(x_shape) * w_shape[0]
 
 
 # fvcore is a dependency of the package, but the op layer does not need it: without it, only the fvcore

@@ -37,3 +37,13 @@ def test_gpu_profile_dwconv_refuses_an_unknown_variant_first(monkeypatch):
         SystemExit, match=re.escape("dwconv: a depthwise variant must be auto or one of t0v4, t0v8, t1v4, t1v8, got 't9v4'")
     ):
         module.main()
+
+
+def test_bench_merge_refuses_without_a_gpu_and_checks_its_arguments(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["bench_merge.py", "--sweep"])
+    with script_module("bench_merge") as module, pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        module.main()
+    monkeypatch.setattr("sys.argv", ["bench_merge.py", "--batch", "0"])
+    with script_module("bench_merge") as module, pytest.raises(SystemExit):
+        module.main()

@@ -1,0 +1,178 @@
+"""Triton kernels of ``gspn2::merge_norm_gate`` and its backward (:mod:`gspn2.ops.merge`).
+
+Rows are pixels, columns channels: every tensor is a contiguous ``(N, E)`` (or ``(N, R)``) row matrix and a
+program holds ``block_m`` whole rows, so the LayerNorm's statistics are register reductions. Arithmetic is
+float32; activations are read and written in their own dtype; parameters are read in theirs.
+
+* forward: ``y = x @ weight.T + bias + skip_input * skip`` (R multiply-adds per element, no tensor cores),
+  ``out = layer_norm(y) * silu(gate)``; writes ``out`` and the row statistics.
+* backward: recomputes ``y`` the same way, writes ``grad_gate``, ``grad_skip_input`` and ``grad_x``, and
+  accumulates the column sums of the parameter gradients (``weight``, ``bias``, ``skip``, the norm's weight
+  and bias) in registers over the row blocks a program visits. A fixed number of programs, each with a fixed
+  contiguous run of row blocks, writes one partial row each; the caller sums the partials in a fixed order, so the
+  result is deterministic.
+
+The launch configuration (rows per program, warps, programs of the backward) is an argument of the
+launchers, with :func:`config` giving the default.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def config(E: int) -> dict:
+    """Default launch configuration for rows of ``E`` channels: ``block_e`` (the channels padded to a power
+    of two), ``block_m`` rows per program, and ``num_warps``, for forward and backward."""
+    block_e = max(16, triton.next_power_of_2(E))
+    fwd_m = max(1, min(64, 4096 // block_e))
+    # The backward's two tile products need 16 rows at least.
+    bwd_m = max(16, min(64, 4096 // block_e))
+    return {
+        "block_e": block_e,
+        "fwd_block_m": fwd_m,
+        "fwd_warps": 4 if fwd_m * block_e <= 2048 else 8,
+        "bwd_block_m": bwd_m,
+        "bwd_warps": 8 if bwd_m * block_e <= 8192 else 16,
+    }
+
+
+@triton.jit
+def _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R: tl.constexpr):
+    """``x @ W.T + bias + v * s`` for a tile, in float32 (``v``, ``s`` already loaded)."""
+    b = tl.load(Bias + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = v * s[None, :] + b[None, :]
+    for k in tl.static_range(R):
+        xk = tl.load(X + rows * R + k, mask=rmask, other=0.0).to(tl.float32)
+        wk = tl.load(W + cols * R + k, mask=cmask, other=0.0).to(tl.float32)
+        y += xk[:, None] * wk[None, :]
+    return y
+
+
+@triton.jit
+def _forward_kernel(
+    X, W, Bias, V, S, NW, NB, Z, Out, Mean, Rstd, N, E, eps,
+    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < N
+    cmask = cols < E
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * E + cols[None, :]
+    v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R)
+    mean = tl.sum(y, axis=1) / E  # padded columns hold 0
+    d = tl.where(mask, y - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / E + eps)
+    nw = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+    nb = tl.load(NB + cols, mask=cmask, other=0.0).to(tl.float32)
+    a = d * rstd[:, None] * nw[None, :] + nb[None, :]
+    z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+    out = a * (z * tl.sigmoid(z))
+    tl.store(Out + offs, out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean, mask=rmask)
+    tl.store(Rstd + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _backward_kernel(
+    GradOut, X, W, Bias, V, S, NW, NB, Z, Mean, Rstd,
+    GradX, GradV, GradZ, PartVec, PartW, N, E, blocks_per_program,
+    R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    cmask = cols < E
+    ks = tl.arange(0, R_PAD)
+    kmask = ks < R
+    s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
+    nw = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+    nb = tl.load(NB + cols, mask=cmask, other=0.0).to(tl.float32)
+    # weight as (E, R_PAD) for grad_x = grad_y @ weight
+    wt = tl.load(W + cols[:, None] * R + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+    acc_nw = tl.zeros((BLOCK_E,), tl.float32)
+    acc_nb = tl.zeros((BLOCK_E,), tl.float32)
+    acc_s = tl.zeros((BLOCK_E,), tl.float32)
+    acc_b = tl.zeros((BLOCK_E,), tl.float32)
+    acc_w = tl.zeros((BLOCK_E, R_PAD), tl.float32)
+    # A contiguous run of row blocks (the last ones may be empty). A while loop: Triton 3.6's interpreter
+    # cannot take a kernel argument as a range() bound.
+    i = 0
+    while i < blocks_per_program:
+        rows = tl.arange(0, BLOCK_M).to(tl.int64) + (pid * blocks_per_program + i) * BLOCK_M
+        rmask = rows < N
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None] * E + cols[None, :]
+        v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R)
+        mean = tl.load(Mean + rows, mask=rmask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+        n = tl.where(mask, (y - mean[:, None]) * rstd[:, None], 0.0)
+        a = n * nw[None, :] + nb[None, :]
+        z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(z)
+        go = tl.load(GradOut + offs, mask=mask, other=0.0).to(tl.float32)
+        ga = go * (z * sg)  # gradient of the norm's output
+        gz = go * a * (sg * (1.0 + z * (1.0 - sg)))
+        tl.store(GradZ + offs, gz.to(GradZ.dtype.element_ty), mask=mask)
+        acc_nw += tl.sum(ga * n, axis=0)
+        acc_nb += tl.sum(ga, axis=0)
+        gn = ga * nw[None, :]
+        c1 = tl.sum(gn, axis=1) / E
+        c2 = tl.sum(gn * n, axis=1) / E
+        gy = tl.where(mask, rstd[:, None] * (gn - c1[:, None] - n * c2[:, None]), 0.0)
+        tl.store(GradV + offs, (gy * s[None, :]).to(GradV.dtype.element_ty), mask=mask)
+        acc_s += tl.sum(gy * v, axis=0)
+        acc_b += tl.sum(gy, axis=0)
+        xt = tl.load(X + rows[:, None] * R + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if DOT_IEEE:  # float32 activations: full float32 products
+            acc_w += tl.dot(tl.trans(gy), xt.to(tl.float32), input_precision="ieee")
+            gx = tl.dot(gy, wt.to(tl.float32), input_precision="ieee")
+        else:  # 16-bit activations: the products in their dtype, as a GEMM on them would run
+            gy16 = gy.to(xt.dtype)
+            acc_w += tl.dot(tl.trans(gy16), xt)
+            gx = tl.dot(gy16, wt.to(xt.dtype))
+        tl.store(GradX + rows[:, None] * R + ks[None, :], gx.to(GradX.dtype.element_ty),
+                 mask=rmask[:, None] & kmask[None, :])
+        i += 1
+    base = PartVec + pid.to(tl.int64) * 4 * E
+    tl.store(base + cols, acc_nw, mask=cmask)
+    tl.store(base + E + cols, acc_nb, mask=cmask)
+    tl.store(base + 2 * E + cols, acc_s, mask=cmask)
+    tl.store(base + 3 * E + cols, acc_b, mask=cmask)
+    tl.store(PartW + pid.to(tl.int64) * E * R + cols[:, None] * R + ks[None, :], acc_w,
+             mask=cmask[:, None] & kmask[None, :])
+
+
+def forward(x, weight, bias, v, skip, norm_weight, norm_bias, eps, gate, out, mean, rstd, *, block_m, num_warps,
+            block_e):
+    """Launch the forward on contiguous row matrices (``out``, ``mean``, ``rstd`` preallocated)."""
+    N, E = v.shape
+    grid = (triton.cdiv(N, block_m),)
+    _forward_kernel[grid](
+        x, weight, bias, v, skip, norm_weight, norm_bias, gate, out, mean, rstd, N, E, eps,
+        R=x.shape[1], BLOCK_M=block_m, BLOCK_E=block_e, num_warps=num_warps,
+    )
+
+
+def backward(grad_out, x, weight, bias, v, skip, norm_weight, norm_bias, gate, mean, rstd, grad_x, grad_v, grad_gate,
+             part_vec, part_w, *, block_m, num_warps, block_e):
+    """Launch the backward with ``part_vec.shape[0]`` programs; ``part_vec (programs, 4, E)`` and
+    ``part_w (programs, E, R)`` receive each program's column sums (norm weight, norm bias, skip, bias;
+    weight)."""
+    N, E = v.shape
+    R = x.shape[1]
+    programs = part_vec.shape[0]
+    _backward_kernel[(programs,)](
+        grad_out, x, weight, bias, v, skip, norm_weight, norm_bias, gate, mean, rstd,
+        grad_x, grad_v, grad_gate, part_vec, part_w, N, E, triton.cdiv(triton.cdiv(N, block_m), programs),
+        R=R, R_PAD=max(16, triton.next_power_of_2(R)), BLOCK_M=block_m, BLOCK_E=block_e,
+        DOT_IEEE=x.dtype == torch.float32, num_warps=num_warps,
+        # No software pipelining of the row loop: its staged tiles of the widest rows exceed shared memory.
+        num_stages=1,
+    )
