@@ -124,11 +124,8 @@ def _check_backward(grad_out, x, weight, bias, skip_input, skip, norm_weight, no
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arithmetic and row-statistics dtype for activations of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return _compute_dtype(dtype)
 
 
 def _merged(x, weight, bias, skip_input, skip, ct):
@@ -229,7 +226,7 @@ def _forward_cuda(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps
 def _forward_fake(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate):
     _check(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
     N = skip_input.shape[0]
-    stats = skip_input.new_empty((N,), dtype=_stats_dtype(skip_input.dtype))
+    stats = skip_input.new_empty((N,), dtype=_compute_dtype(skip_input.dtype))  # the statistics' dtype
     return torch.empty_like(skip_input, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
 
 
