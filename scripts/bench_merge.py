@@ -13,8 +13,8 @@ Per stage (N = batch x side^2 rows, E = 1.5 C hidden channels, R = 8 merged prox
   (out_proj).
 
 Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), bf16 autocast with float32
-parameters as in training. ``--sweep`` times the forward and backward kernels alone for each
-``(block_m, num_warps)`` and backward programs per SM. The last lines are a markdown table.
+parameters as in training. ``--sweep`` times the forward and backward kernels alone over launch
+configurations around the default (``gspn2.ops._merge_triton.config``). The last lines are a markdown table.
 """
 
 from __future__ import annotations
@@ -80,28 +80,33 @@ def _chain_times(chain, a, p, dtype) -> tuple[float, float]:
     return _ms(fwd), _ms(fwd_bwd)
 
 
-def _kernel_times(a, p, cfg: dict, programs_per_sm: int) -> tuple[float, float]:
-    """The forward and backward Triton kernels alone, launched with ``cfg``."""
-    from gspn2.ops import _merge_triton as K
+def _kernel_times(a, p, cfg: dict, per_sm: int) -> tuple[float, float]:
+    """The forward and the backward Triton kernels alone (with their small host-side sums), launched with
+    ``cfg`` and ``per_sm`` backward programs per SM."""
+    from gspn2.ops.merge import row_programs, triton_backward, triton_forward
 
     uh, v, z = (t.detach() for t in a.values())
     w, b, s, nw, nb = (p[k].detach() for k in ("w_up", "b_up", "skip", "nw", "nb"))
     N, E = v.shape
-    out, mean, rstd = torch.empty_like(v), v.new_empty(N, dtype=torch.float32), v.new_empty(N, dtype=torch.float32)
-    fwd_cfg = dict(block_m=cfg["fwd_block_m"], num_warps=cfg["fwd_warps"], block_e=cfg["block_e"])
-    bwd_cfg = dict(block_m=cfg["bwd_block_m"], num_warps=cfg["bwd_warps"], block_e=cfg["block_e"])
-    sms = torch.cuda.get_device_properties(v.device).multi_processor_count
-    blocks = -(-N // cfg["bwd_block_m"])
-    programs = max(1, min((blocks + 1) // 2, programs_per_sm * sms))
-    gx, gv, gz = torch.empty_like(uh), torch.empty_like(v), torch.empty_like(z)
-    pv = torch.empty(programs, 4, E, device=v.device)
-    pw = torch.empty(programs, E, R, device=v.device)
+    programs = row_programs(v.device, N, E, cfg, per_sm)
     go = torch.randn_like(v)
-    K.forward(uh, w, b, v, s, nw, nb, 1e-6, z, out, mean, rstd, **fwd_cfg)
+    _, mean, rstd = triton_forward(uh, w, b, v, s, nw, nb, 1e-6, z, cfg)
     return (
-        _ms(lambda: K.forward(uh, w, b, v, s, nw, nb, 1e-6, z, out, mean, rstd, **fwd_cfg)),
-        _ms(lambda: K.backward(go, uh, w, b, v, s, nw, nb, z, mean, rstd, gx, gv, gz, pv, pw, **bwd_cfg)),
+        _ms(lambda: triton_forward(uh, w, b, v, s, nw, nb, 1e-6, z, cfg)),
+        _ms(lambda: triton_backward(go, uh, w, b, v, s, nw, nb, z, mean, rstd, cfg, programs)),
     )
+
+
+def _sweep(base: dict):
+    """Launch configurations around the default: the forward's rows and warps, the backward's rows, channels
+    per chunk, warps and programs per SM."""
+    yield dict(base), 4
+    for fm, fw in ((2 * base["fwd_block_m"], base["fwd_warps"]), (base["fwd_block_m"], 2 * base["fwd_warps"])):
+        yield dict(base, fwd_block_m=fm, fwd_warps=fw), 4
+    for chunk_e, warps, per_sm in itertools.product((32, 64), (2, 4, 8), (2, 4, 8)):
+        if chunk_e <= base["block_e"]:
+            yield dict(base, chunk_e=chunk_e, bwd_warps=warps), per_sm
+    yield dict(base, bwd_block_m=32), 4
 
 
 def main(argv=None) -> None:
@@ -129,18 +134,16 @@ def main(argv=None) -> None:
         print(f"{side}^2 N={N} E={E}: separate {sep[0]:.4f} / {sep[1]:.4f} ms, fused {fus[0]:.4f} / {fus[1]:.4f} ms",
               flush=True)
         if args.sweep:
-            base = K.config(E)
-            for fm, bm, warps, pps in itertools.product((4, 16, 64), (16, 32, 64), (4, 8), (1, 2, 4)):
-                cfg = dict(base, fwd_block_m=fm, bwd_block_m=bm, fwd_warps=warps, bwd_warps=warps)
+            for cfg, per_sm in _sweep(K.config(E)):
+                what = (f"fwd {cfg['fwd_block_m']} rows / {cfg['fwd_warps']} warps, bwd {cfg['bwd_block_m']} rows x "
+                        f"{cfg['chunk_e']} channels / {cfg['bwd_warps']} warps, {per_sm} programs/SM")
                 try:
-                    t = _kernel_times(a, p, cfg, pps)
+                    t = _kernel_times(a, p, cfg, per_sm)
                 except Exception as exc:  # a configuration the GPU cannot run (shared memory, registers)
-                    print(f"  fwd_m={fm} bwd_m={bm} warps={warps} programs/SM={pps}: {type(exc).__name__}")
+                    print(f"  {what}: {type(exc).__name__}")
                     continue
-                sweep.append(dict(side=side, fwd_block_m=fm, bwd_block_m=bm, warps=warps, programs_per_sm=pps,
-                                  fwd_ms=t[0], bwd_ms=t[1]))
-                print(f"  fwd_m={fm} bwd_m={bm} warps={warps} programs/SM={pps}: {t[0]:.4f} / {t[1]:.4f} ms",
-                      flush=True)
+                sweep.append(dict(side=side, config=cfg, programs_per_sm=per_sm, fwd_ms=t[0], bwd_ms=t[1]))
+                print(f"  {what}: {t[0]:.4f} / {t[1]:.4f} ms", flush=True)
     if args.json:
         env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, batch=args.batch, dtype=args.dtype)
         with open(args.json, "w") as f:

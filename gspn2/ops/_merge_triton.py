@@ -1,19 +1,21 @@
 """Triton kernels of ``gspn2::merge_norm_gate`` and its backward (:mod:`gspn2.ops.merge`).
 
-Rows are pixels, columns channels: every tensor is a contiguous ``(N, E)`` (or ``(N, R)``) row matrix and a
-program holds ``block_m`` whole rows, so the LayerNorm's statistics are register reductions. Arithmetic is
-float32; activations are read and written in their own dtype; parameters are read in theirs.
+Rows are pixels, columns channels: every tensor is a contiguous ``(N, E)`` (or ``(N, R)``) row matrix. The
+forward and the backward's row terms hold whole rows per program, so the LayerNorm's row reductions stay in
+registers. Arithmetic is float32; activations are read and written in their own dtype; parameters are read
+in theirs.
 
 * forward: ``y = x @ weight.T + bias + skip_input * skip`` (R multiply-adds per element, no tensor cores),
   ``out = layer_norm(y) * silu(gate)``; writes ``out`` and the row statistics.
-* backward: recomputes ``y`` the same way, writes ``grad_gate``, ``grad_skip_input`` and ``grad_x``, and
-  accumulates the column sums of the parameter gradients (``weight``, ``bias``, ``skip``, the norm's weight
-  and bias) in registers over the row blocks a program visits. A fixed number of programs, each with a fixed
-  contiguous run of row blocks, writes one partial row each; the caller sums the partials in a fixed order, so the
-  result is deterministic.
+* backward, two kernels. The row terms: the LayerNorm backward's two row means (whole rows per program).
+  The columns: a program per channel chunk and contiguous run of row blocks recomputes ``y`` the same way,
+  writes ``grad_gate``, ``grad_skip_input`` and its chunk's share of ``grad_x`` (a tile product with the
+  weight), and accumulates the column sums of the parameter gradients (``weight`` by a tile product,
+  ``bias``, ``skip``, the norm's weight and bias) in registers over its rows. Every program writes its own
+  partial sums; the caller adds them in a fixed order, so the result is deterministic.
 
-The launch configuration (rows per program, warps, programs of the backward) is an argument of the
-launchers, with :func:`config` giving the default.
+The launch configuration (rows, channels and warps per program; the backward's programs) is an argument of
+the launchers, with :func:`config` giving the default.
 """
 
 from __future__ import annotations
@@ -24,18 +26,24 @@ import triton.language as tl
 
 
 def config(E: int) -> dict:
-    """Default launch configuration for rows of ``E`` channels: ``block_e`` (the channels padded to a power
-    of two), ``block_m`` rows per program, and ``num_warps``, for forward and backward."""
+    """Default launch configuration for rows of ``E`` channels, about 8 tile elements per thread:
+
+    * ``block_e``: the channels padded to a power of two (whole rows: forward and row terms);
+    * ``fwd_block_m``, ``fwd_warps``: rows and warps of a forward program, and of a row-terms program;
+    * ``bwd_block_m``, ``chunk_e``, ``bwd_warps``: rows per step (16 at least: the tile products), channels
+      and warps of a backward column program.
+    """
     block_e = max(16, triton.next_power_of_2(E))
-    fwd_m = max(1, min(64, 4096 // block_e))
-    # The backward's two tile products need 16 rows at least.
-    bwd_m = max(16, min(64, 4096 // block_e))
+    fwd_m = max(1, 1024 // block_e)
+    # 32 channels by 16 rows over 4 warps: 128 registers on sm_90 (Triton 3.8), four programs per SM.
+    chunk_e = min(block_e, 32)
     return {
         "block_e": block_e,
         "fwd_block_m": fwd_m,
-        "fwd_warps": 4 if fwd_m * block_e <= 2048 else 8,
-        "bwd_block_m": bwd_m,
-        "bwd_warps": 8 if bwd_m * block_e <= 8192 else 16,
+        "fwd_warps": max(4, min(16, fwd_m * block_e // 256)),
+        "bwd_block_m": 16,
+        "chunk_e": chunk_e,
+        "bwd_warps": 4,
     }
 
 
@@ -79,27 +87,60 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
-    GradOut, X, W, Bias, V, S, NW, NB, Z, Mean, Rstd,
+def _row_terms_kernel(
+    GradOut, X, W, Bias, V, S, NW, NB, Z, Mean, Rstd, C1, C2, N, E,
+    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """The LayerNorm backward's two row means, ``mean(g)`` and ``mean(g * n)`` with ``g`` the gradient of
+    the normalised row (after the norm's weight) and ``n`` the normalised row: whole rows per program."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < N
+    cmask = cols < E
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * E + cols[None, :]
+    v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R)
+    mean = tl.load(Mean + rows, mask=rmask, other=0.0)
+    rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+    n = tl.where(mask, (y - mean[:, None]) * rstd[:, None], 0.0)
+    z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+    go = tl.load(GradOut + offs, mask=mask, other=0.0).to(tl.float32)
+    nw = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+    gn = go * (z * tl.sigmoid(z)) * nw[None, :]
+    tl.store(C1 + rows, tl.sum(gn, axis=1) / E, mask=rmask)
+    tl.store(C2 + rows, tl.sum(gn * n, axis=1) / E, mask=rmask)
+
+
+@triton.jit
+def _column_kernel(
+    GradOut, X, W, Bias, V, S, NW, NB, Z, Mean, Rstd, C1, C2,
     GradX, GradV, GradZ, PartVec, PartW, N, E, blocks_per_program,
-    R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK_E: tl.constexpr,
     DOT_IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
+    """Program ``(c, p)``: channels ``[c * CHUNK_E, (c + 1) * CHUNK_E)`` of the ``p``-th contiguous run of row
+    blocks. Writes ``grad_gate`` and ``grad_skip_input`` there, this chunk's share of ``grad_x``
+    (``GradX[c]``, float32, summed over the chunks by the caller) and the chunk's column sums of the five
+    parameter gradients (``PartVec[p]``, ``PartW[p]``)."""
+    chunk = tl.program_id(0)
+    pid = tl.program_id(1)
+    cols = chunk * CHUNK_E + tl.arange(0, CHUNK_E)
     cmask = cols < E
     ks = tl.arange(0, R_PAD)
     kmask = ks < R
     s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
     nw = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
     nb = tl.load(NB + cols, mask=cmask, other=0.0).to(tl.float32)
-    # weight as (E, R_PAD) for grad_x = grad_y @ weight
+    # the weight's chunk as (CHUNK_E, R_PAD), for this chunk's share of grad_x = grad_y @ weight
     wt = tl.load(W + cols[:, None] * R + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-    acc_nw = tl.zeros((BLOCK_E,), tl.float32)
-    acc_nb = tl.zeros((BLOCK_E,), tl.float32)
-    acc_s = tl.zeros((BLOCK_E,), tl.float32)
-    acc_b = tl.zeros((BLOCK_E,), tl.float32)
-    acc_w = tl.zeros((BLOCK_E, R_PAD), tl.float32)
+    acc_nw = tl.zeros((CHUNK_E,), tl.float32)
+    acc_nb = tl.zeros((CHUNK_E,), tl.float32)
+    acc_s = tl.zeros((CHUNK_E,), tl.float32)
+    acc_b = tl.zeros((CHUNK_E,), tl.float32)
+    acc_w = tl.zeros((CHUNK_E, R_PAD), tl.float32)
+    gx_base = GradX + chunk.to(tl.int64) * N * R
     # A contiguous run of row blocks (the last ones may be empty). A while loop: Triton 3.6's interpreter
     # cannot take a kernel argument as a range() bound.
     i = 0
@@ -113,19 +154,17 @@ def _backward_kernel(
         mean = tl.load(Mean + rows, mask=rmask, other=0.0)
         rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
         n = tl.where(mask, (y - mean[:, None]) * rstd[:, None], 0.0)
-        a = n * nw[None, :] + nb[None, :]
         z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
         sg = tl.sigmoid(z)
         go = tl.load(GradOut + offs, mask=mask, other=0.0).to(tl.float32)
         ga = go * (z * sg)  # gradient of the norm's output
-        gz = go * a * (sg * (1.0 + z * (1.0 - sg)))
+        gz = go * (n * nw[None, :] + nb[None, :]) * (sg * (1.0 + z * (1.0 - sg)))
         tl.store(GradZ + offs, gz.to(GradZ.dtype.element_ty), mask=mask)
         acc_nw += tl.sum(ga * n, axis=0)
         acc_nb += tl.sum(ga, axis=0)
-        gn = ga * nw[None, :]
-        c1 = tl.sum(gn, axis=1) / E
-        c2 = tl.sum(gn * n, axis=1) / E
-        gy = tl.where(mask, rstd[:, None] * (gn - c1[:, None] - n * c2[:, None]), 0.0)
+        c1 = tl.load(C1 + rows, mask=rmask, other=0.0)
+        c2 = tl.load(C2 + rows, mask=rmask, other=0.0)
+        gy = tl.where(mask, rstd[:, None] * (ga * nw[None, :] - c1[:, None] - n * c2[:, None]), 0.0)
         tl.store(GradV + offs, (gy * s[None, :]).to(GradV.dtype.element_ty), mask=mask)
         acc_s += tl.sum(gy * v, axis=0)
         acc_b += tl.sum(gy, axis=0)
@@ -137,8 +176,7 @@ def _backward_kernel(
             gy16 = gy.to(xt.dtype)
             acc_w += tl.dot(tl.trans(gy16), xt)
             gx = tl.dot(gy16, wt.to(xt.dtype))
-        tl.store(GradX + rows[:, None] * R + ks[None, :], gx.to(GradX.dtype.element_ty),
-                 mask=rmask[:, None] & kmask[None, :])
+        tl.store(gx_base + rows[:, None] * R + ks[None, :], gx, mask=rmask[:, None] & kmask[None, :])
         i += 1
     base = PartVec + pid.to(tl.int64) * 4 * E
     tl.store(base + cols, acc_nw, mask=cmask)
@@ -160,19 +198,25 @@ def forward(x, weight, bias, v, skip, norm_weight, norm_bias, eps, gate, out, me
     )
 
 
-def backward(grad_out, x, weight, bias, v, skip, norm_weight, norm_bias, gate, mean, rstd, grad_x, grad_v, grad_gate,
-             part_vec, part_w, *, block_m, num_warps, block_e):
-    """Launch the backward with ``part_vec.shape[0]`` programs; ``part_vec (programs, 4, E)`` and
-    ``part_w (programs, E, R)`` receive each program's column sums (norm weight, norm bias, skip, bias;
-    weight)."""
+def backward(grad_out, x, weight, bias, v, skip, norm_weight, norm_bias, gate, mean, rstd, c1, c2, grad_x_parts,
+             grad_v, grad_gate, part_vec, part_w, *, block_e, rows_block_m, rows_warps, block_m, chunk_e, num_warps):
+    """Launch the backward: the row terms (``c1``, ``c2``: (N,) float32 scratch), then
+    ``part_vec.shape[0]`` runs of row blocks for each of the ``grad_x_parts.shape[0]`` channel chunks of
+    ``chunk_e`` channels. ``grad_x_parts (chunks, N, R)`` float32 receives each chunk's share of ``grad_x``;
+    ``part_vec (programs, 4, E)`` and ``part_w (programs, E, R)`` each run's column sums (norm weight, norm
+    bias, skip, bias; weight)."""
     N, E = v.shape
     R = x.shape[1]
+    _row_terms_kernel[(triton.cdiv(N, rows_block_m),)](
+        grad_out, x, weight, bias, v, skip, norm_weight, norm_bias, gate, mean, rstd, c1, c2, N, E,
+        R=R, BLOCK_M=rows_block_m, BLOCK_E=block_e, num_warps=rows_warps,
+    )
     programs = part_vec.shape[0]
-    _backward_kernel[(programs,)](
-        grad_out, x, weight, bias, v, skip, norm_weight, norm_bias, gate, mean, rstd,
-        grad_x, grad_v, grad_gate, part_vec, part_w, N, E, triton.cdiv(triton.cdiv(N, block_m), programs),
-        R=R, R_PAD=max(16, triton.next_power_of_2(R)), BLOCK_M=block_m, BLOCK_E=block_e,
+    _column_kernel[(grad_x_parts.shape[0], programs)](
+        grad_out, x, weight, bias, v, skip, norm_weight, norm_bias, gate, mean, rstd, c1, c2,
+        grad_x_parts, grad_v, grad_gate, part_vec, part_w, N, E, triton.cdiv(triton.cdiv(N, block_m), programs),
+        R=R, R_PAD=max(16, triton.next_power_of_2(R)), BLOCK_M=block_m, CHUNK_E=chunk_e,
         DOT_IEEE=x.dtype == torch.float32, num_warps=num_warps,
-        # No software pipelining of the row loop: its staged tiles of the widest rows exceed shared memory.
+        # No software pipelining of the row loop: its staged tiles would take shared memory for little gain.
         num_stages=1,
     )

@@ -85,7 +85,9 @@ def _check(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
     if E < 1:
         raise ValueError(f"{op}: `skip_input` must have E >= 1 channels, got shape {tuple(skip_input.shape)}")
     if x.dim() != 2 or x.shape[0] != N or x.shape[1] < 1:
-        raise ValueError(f"{op}: `x` must be (N, R) rows with N = {N} (skip_input's rows), R >= 1, got {tuple(x.shape)}")
+        raise ValueError(
+            f"{op}: `x` must be (N, R) rows with N = {N} (skip_input's rows), R >= 1, got {tuple(x.shape)}"
+        )
     R = x.shape[1]
     if gate.dim() != 2 or gate.shape[0] != N or gate.shape[1] != E:
         raise ValueError(f"{op}: `gate` must be (N, E) = {(N, E)} like `skip_input`, got {tuple(gate.shape)}")
@@ -202,24 +204,29 @@ def _forward_reference(x, weight, bias, skip_input, skip, norm_weight, norm_bias
     return _forward_ref(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
 
 
-@torch.library.impl(_LIB, "merge_norm_gate", "CUDA")
-def _forward_cuda(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate):
-    _check(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
-    if not _use_triton(skip_input):
-        return _forward_ref(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
+def triton_forward(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate, cfg):
+    """The Triton forward on contiguous rows (N >= 1) with the launch configuration ``cfg``
+    (:func:`gspn2.ops._merge_triton.config`'s keys): ``(out, mean, rstd)``."""
     N, E = skip_input.shape
     out = torch.empty((N, E), dtype=skip_input.dtype, device=skip_input.device)
     mean = torch.empty((N,), dtype=torch.float32, device=skip_input.device)
     rstd = torch.empty_like(mean)
-    if N > 0:
-        cfg = _merge_triton.config(E)
-        with torch.cuda.device(skip_input.device):
-            _merge_triton.forward(
-                x.contiguous(), weight.contiguous(), bias.contiguous(), skip_input.contiguous(), skip.contiguous(),
-                norm_weight.contiguous(), norm_bias.contiguous(), float(eps), gate.contiguous(), out, mean, rstd,
-                block_m=cfg["fwd_block_m"], num_warps=cfg["fwd_warps"], block_e=cfg["block_e"],
-            )
+    _merge_triton.forward(x, weight, bias, skip_input, skip, norm_weight, norm_bias, float(eps), gate, out, mean, rstd,
+                          block_m=cfg["fwd_block_m"], num_warps=cfg["fwd_warps"], block_e=cfg["block_e"])
     return out, mean, rstd
+
+
+@torch.library.impl(_LIB, "merge_norm_gate", "CUDA")
+def _forward_cuda(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate):
+    _check(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
+    if not _use_triton(skip_input) or skip_input.shape[0] == 0:
+        return _forward_ref(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
+    with torch.cuda.device(skip_input.device):
+        return triton_forward(
+            x.contiguous(), weight.contiguous(), bias.contiguous(), skip_input.contiguous(), skip.contiguous(),
+            norm_weight.contiguous(), norm_bias.contiguous(), eps, gate.contiguous(),
+            _merge_triton.config(skip_input.shape[1]),
+        )
 
 
 @torch.library.register_fake("gspn2::merge_norm_gate", lib=_LIB)
@@ -241,44 +248,55 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _backward_programs(device: torch.device, blocks: int) -> int:
-    """Programs of the backward: at least two row blocks each, at most four programs per SM."""
-    return max(1, min((blocks + 1) // 2, 4 * _sm_count(device.index)))
+def row_programs(device: torch.device, N: int, E: int, cfg: dict, per_sm: int = 4) -> int:
+    """Runs of row blocks per channel chunk in the backward: at least two row blocks each, about ``per_sm``
+    programs per SM in all (as many as stay resident with the default configuration)."""
+    blocks = -(-N // cfg["bwd_block_m"])
+    chunks = -(-E // cfg["chunk_e"])
+    return max(1, min((blocks + 1) // 2, per_sm * _sm_count(device.index) // chunks))
+
+
+def triton_backward(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean, rstd, cfg,
+                    programs):
+    """The Triton backward on contiguous rows (N >= 1) with the launch configuration ``cfg`` and ``programs``
+    runs of row blocks per channel chunk: the op's eight gradients."""
+    N, E = skip_input.shape
+    R = x.shape[1]
+    f32 = dict(dtype=torch.float32, device=skip_input.device)
+    grad_v = torch.empty((N, E), dtype=skip_input.dtype, device=skip_input.device)
+    grad_gate = torch.empty((N, E), dtype=gate.dtype, device=gate.device)
+    # Every program writes its whole share: no initialisation.
+    c1, c2 = torch.empty((N,), **f32), torch.empty((N,), **f32)
+    grad_x_parts = torch.empty((-(-E // cfg["chunk_e"]), N, R), **f32)
+    part_vec = torch.empty((programs, 4, E), **f32)
+    part_w = torch.empty((programs, E, R), **f32)
+    _merge_triton.backward(
+        grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean, rstd, c1, c2, grad_x_parts,
+        grad_v, grad_gate, part_vec, part_w, block_e=cfg["block_e"], rows_block_m=cfg["fwd_block_m"],
+        rows_warps=cfg["fwd_warps"], block_m=cfg["bwd_block_m"], chunk_e=cfg["chunk_e"], num_warps=cfg["bwd_warps"],
+    )
+    vec = part_vec.sum(0)
+    return (
+        grad_x_parts.sum(0).to(x.dtype), part_w.sum(0).to(weight.dtype), vec[3].to(bias.dtype), grad_v,
+        vec[2].to(skip.dtype), vec[0].to(norm_weight.dtype), vec[1].to(norm_bias.dtype), grad_gate,
+    )
 
 
 @torch.library.impl(_LIB, "merge_norm_gate_backward", "CUDA")
 def _backward_cuda(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean, rstd):
     _check_backward(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean, rstd)
-    if not _use_triton(skip_input) or mean.dtype != torch.float32 or rstd.dtype != torch.float32:
+    if (not _use_triton(skip_input) or skip_input.shape[0] == 0 or mean.dtype != torch.float32
+            or rstd.dtype != torch.float32):
         return merge_norm_gate_backward_ref(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias,
                                             gate, mean, rstd)
-    N, E = skip_input.shape
-    R = x.shape[1]
     dev = skip_input.device
-    grad_x = torch.empty((N, R), dtype=x.dtype, device=dev)
-    grad_v = torch.empty((N, E), dtype=skip_input.dtype, device=dev)
-    grad_gate = torch.empty((N, E), dtype=gate.dtype, device=dev)
-    cfg = _merge_triton.config(E)
-    if N == 0:  # no rows: zero parameter gradients
-        part_vec = torch.zeros((1, 4, E), dtype=torch.float32, device=dev)
-        part_w = torch.zeros((1, E, R), dtype=torch.float32, device=dev)
-    else:
-        # Every program writes its whole partial row: no initialisation.
-        programs = _backward_programs(dev, -(-N // cfg["bwd_block_m"]))
-        part_vec = torch.empty((programs, 4, E), dtype=torch.float32, device=dev)
-        part_w = torch.empty((programs, E, R), dtype=torch.float32, device=dev)
-        with torch.cuda.device(dev):
-            _merge_triton.backward(
-                grad_out.contiguous(), x.contiguous(), weight.contiguous(), bias.contiguous(),
-                skip_input.contiguous(), skip.contiguous(), norm_weight.contiguous(), norm_bias.contiguous(),
-                gate.contiguous(), mean.contiguous(), rstd.contiguous(), grad_x, grad_v, grad_gate, part_vec, part_w,
-                block_m=cfg["bwd_block_m"], num_warps=cfg["bwd_warps"], block_e=cfg["block_e"],
-            )
-    vec = part_vec.sum(0)
-    return (
-        grad_x, part_w.sum(0).to(weight.dtype), vec[3].to(bias.dtype), grad_v, vec[2].to(skip.dtype),
-        vec[0].to(norm_weight.dtype), vec[1].to(norm_bias.dtype), grad_gate,
-    )
+    cfg = _merge_triton.config(skip_input.shape[1])
+    with torch.cuda.device(dev):
+        return triton_backward(
+            grad_out.contiguous(), x.contiguous(), weight.contiguous(), bias.contiguous(), skip_input.contiguous(),
+            skip.contiguous(), norm_weight.contiguous(), norm_bias.contiguous(), gate.contiguous(),
+            mean.contiguous(), rstd.contiguous(), cfg, row_programs(dev, *skip_input.shape, cfg),
+        )
 
 
 @torch.library.register_fake("gspn2::merge_norm_gate_backward", lib=_LIB)

@@ -137,29 +137,24 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
     from gspn2.ops import _merge_triton as K
-    from gspn2.ops.merge import _forward_ref, merge_norm_gate_backward_ref
+    from gspn2.ops.merge import _forward_ref, merge_norm_gate_backward_ref, triton_backward, triton_forward
 
-    # (rows, R, E, dtype, backward programs): rows not a multiple of the block, E not a power of two,
-    # a program with no row block (17 rows are two blocks of 16 at E = 200, for three programs).
-    cases = [(37, 8, 24, torch.float32, 3), (33, 4, 40, torch.float16, 2), (17, 8, 200, torch.float32, 3)]
-    for N, R, E, dt, programs in cases:
+    # (rows, R, E, dtype, backward programs, channels per chunk): rows not a multiple of the blocks, E not a
+    # power of two, several channel chunks with a partial last one, a run of row blocks left empty (17 rows
+    # are two blocks of 16, for three programs).
+    cases = [(37, 8, 24, torch.float32, 3, 16), (33, 4, 40, torch.float16, 2, 64),
+             (17, 8, 200, torch.float32, 3, 64), (70, 8, 120, torch.float32, 1, 64)]
+    for N, R, E, dt, programs, chunk_e in cases:
         g = torch.Generator().manual_seed(N)
         x, v, z, go = (torch.randn(*s, generator=g).to(dt) for s in ((N, R), (N, E), (N, E), (N, E)))
         w, b, s, nw, nb = (torch.randn(*s, generator=g) for s in ((E, R), (E,), (E,), (E,), (E,)))
-        cfg = K.config(E)
-        out, mean, rstd = torch.empty(N, E, dtype=dt), torch.empty(N), torch.empty(N)
-        K.forward(x, w, b, v, s, nw, nb, 1e-6, z, out, mean, rstd, block_m=cfg["fwd_block_m"],
-                  num_warps=cfg["fwd_warps"], block_e=cfg["block_e"])
+        cfg = dict(K.config(E), chunk_e=chunk_e)
+        out, mean, rstd = triton_forward(x, w, b, v, s, nw, nb, 1e-6, z, cfg)
         ref_out, ref_mean, ref_rstd = _forward_ref(x, w, b, v, s, nw, nb, 1e-6, z)
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(mean, ref_mean)
         torch.testing.assert_close(rstd, ref_rstd)
-        gx, gv, gz = torch.empty(N, R, dtype=dt), torch.empty(N, E, dtype=dt), torch.empty(N, E, dtype=dt)
-        pv, pw = torch.full((programs, 4, E), float("nan")), torch.full((programs, E, R), float("nan"))
-        K.backward(go, x, w, b, v, s, nw, nb, z, mean, rstd, gx, gv, gz, pv, pw, block_m=cfg["bwd_block_m"],
-                   num_warps=cfg["bwd_warps"], block_e=cfg["block_e"])
-        vec = pv.sum(0)
-        mine = (gx, pw.sum(0), vec[3], gv, vec[2], vec[0], vec[1], gz)
+        mine = triton_backward(go, x, w, b, v, s, nw, nb, z, mean, rstd, cfg, programs)
         ref = merge_norm_gate_backward_ref(go, x, w, b, v, s, nw, nb, z, mean, rstd)
         tol = dict(rtol=2e-3, atol=2e-3) if dt == torch.float16 else dict(rtol=1e-5, atol=1e-5)
         for name, a, r in zip("x weight bias skip_input skip norm_weight norm_bias gate".split(), mine, ref):
