@@ -61,7 +61,8 @@ from gspn2.layers import (
     to_rows,
 )
 from gspn2.layers._trace import fused_training
-from gspn2.ops import depthwise_conv2d, gspn_propagate
+from gspn2.ops import depthwise_conv2d, gspn_propagate, merge_norm_gate
+from gspn2.ops import options as _options
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
 
@@ -269,7 +270,9 @@ class GSPN2Mixer(nn.Module):
         """The mixer of ``LayerNorm(x)`` (``norm``: its ``(weight, bias, eps)``) in the training formulation.
 
         The norm and ``in_proj``, and the output gate ``self.norm(y) * silu(z)`` and ``out_proj``, are each one
-        :func:`~gspn2.layers.norm_linear`, which keeps only the norm's input (and the gate) for backward.
+        :func:`~gspn2.layers.norm_linear`, which keeps only the norm's input (and the gate) for backward. With
+        the option ``merge="fused"`` (:mod:`gspn2.ops.options`, read when the call is traced) ``proj_up``, the
+        skip, the norm and the gate are one :func:`~gspn2.ops.merge_norm_gate` before ``out_proj`` instead.
         Everything between the GEMMs stays in channels-last rows ``(B*H*W, channels)`` except what needs the
         image: ``v`` for the depthwise convolution and the generator's slices for the scan. So ``z``, the
         ``proj_up`` output, the skip (a ``(E,)`` vector broadcast over rows, no view) and the gated norm's input
@@ -287,9 +290,16 @@ class GSPN2Mixer(nn.Module):
         g = rows_linear(v_rows, self.generate.weight.flatten(1), self.generate.bias)
         xp, lam, u, gates = from_rows(g, B, H, W).split(self.split_sizes, dim=1)
         h = self._scan(xp, lam, gates)
-        y = to_rows((u.unflatten(1, (D, P)) * h).flatten(1, 2))  # a view: the product has u's row order
-        y = rows_linear(y, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
+        uh = to_rows((u.unflatten(1, (D, P)) * h).flatten(1, 2))  # a view: the product has u's row order
         w, b = self.out_proj.weight.flatten(1), self.out_proj.bias
+        if _options.current().merge == "fused":
+            # norm(proj_up(uh) + v * skip) * silu(z) in one op, then out_proj.
+            m = merge_norm_gate(
+                uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip, self.norm.weight,
+                self.norm.bias, self.norm.eps, z_rows,
+            )
+            return from_rows(rows_linear(m, w, b), B, H, W)
+        y = rows_linear(uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
         (out,) = norm_linear(y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows)
         return from_rows(out, B, H, W)
 

@@ -97,7 +97,8 @@ def describe() -> str:
     o = _options.current()
     built = "built" if _C is not None else "not built"
     return (
-        f"gspn2 ops: backend={o.backend}, kernel={o.kernel}, dwconv={o.dwconv}, CUDA extension {built}"
+        f"gspn2 ops: backend={o.backend}, kernel={o.kernel}, dwconv={o.dwconv}, merge={o.merge}, "
+        f"CUDA extension {built}"
     )
 
 

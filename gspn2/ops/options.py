@@ -24,6 +24,10 @@ environment         option                               values
                                                          (one-pass backward)
 (none)              ``dwconv_tile_cols``: the depthwise  4 or 8 (benchmarks; ``auto`` picks its own)
                     kernels' output columns per thread
+``GSPN2_MERGE``     ``merge``: the training mixer's      ``auto`` / ``separate``: a GEMM with the skip,
+                    output chain (proj_up, skip, norm,   then the norm and gate fused into out_proj
+                    gate)                                (measured faster); ``fused``: one
+                                                         ``gspn2.ops.merge_norm_gate``, then out_proj
 ==================  ===================================  ================================================
 
 Values from the environment are case-insensitive; an unset or empty variable means ``auto``.
@@ -44,6 +48,7 @@ __all__ = [
     "DWCONV_TILE_COLS",
     "KERNELS",
     "KERNEL_ENV",
+    "MERGE_ENV",
     "Options",
     "backend",
     "current",
@@ -57,6 +62,7 @@ __all__ = [
 BACKEND_ENV = "GSPN2_BACKEND"
 KERNEL_ENV = "GSPN2_KERNEL"
 DWCONV_ENV = "GSPN2_DWCONV"
+MERGE_ENV = "GSPN2_MERGE"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster")
@@ -70,9 +76,10 @@ _CHOICES = {
     "kernel": KERNELS,
     "dwconv": ("auto", "cuda", "cudnn"),
     "dwconv_kernel": DWCONV_KERNELS,
+    "merge": ("auto", "separate", "fused"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
-_ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV}
+_ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV, "merge": MERGE_ENV}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +92,7 @@ class Options:
     dwconv: str = "auto"
     dwconv_kernel: str = "auto"
     dwconv_tile_cols: int = 4
+    merge: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gspn2.ops._cuda import BUILD_HINT, extension_available
-from gspn2.ops.options import backend, dwconv_backend, kernel_family
+from gspn2.ops.options import backend, current, dwconv_backend, kernel_family
 from gspn2.train.config import ConfigError
 
 __all__ = ["backend_info", "describe", "require_extension"]
@@ -20,7 +20,8 @@ def backend_info(device: torch.device) -> dict[str, object]:
     """The implementations that run on ``device``: a flat dict of strings and one bool.
 
     ``op``/``dwconv`` are what actually runs (CPU tensors always take the pure-PyTorch reference and
-    torch's convolution); ``op_backend``, ``kernel_family`` and ``dwconv_backend`` are the settings.
+    torch's convolution); ``op_backend``, ``kernel_family``, ``dwconv_backend`` and ``merge`` (the training
+    mixer's output chain) are the settings.
     """
     on_cuda = device.type == "cuda"
     op_backend = backend()
@@ -36,6 +37,7 @@ def backend_info(device: torch.device) -> dict[str, object]:
         "kernel_family": kernel_family() if op == "cuda-kernel" else "n/a",
         "dwconv": ("gspn2-kernel/cudnn" if dwconv == "auto" else dwconv) if on_cuda else "torch-cpu",
         "dwconv_backend": dwconv,
+        "merge": current().merge,
         "extension_built": extension_available(),
     }
 
@@ -47,7 +49,8 @@ def describe(info: dict[str, object]) -> str:
     family = f", kernel family {info['kernel_family']}" if info["op"] == "cuda-kernel" else ""
     return (
         f"gspn2 op: {info['op']} (GSPN2_BACKEND={info['op_backend']}{family}), "
-        f"depthwise conv: GSPN2_DWCONV={info['dwconv_backend']}, extension built: {info['extension_built']}"
+        f"depthwise conv: GSPN2_DWCONV={info['dwconv_backend']}, GSPN2_MERGE={info['merge']}, "
+        f"extension built: {info['extension_built']}"
     )
 
 

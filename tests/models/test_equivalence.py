@@ -22,9 +22,11 @@ from typing import Callable, Tuple
 import pytest
 import timm
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
 from gspn2.models import GSPN2Block
+from gspn2.ops import options
 from tests.models._models import MODEL_NAMES, images, micro
 from tests.models._reference import assert_bf16_close, assert_same, reference, run
 
@@ -202,6 +204,54 @@ def test_compile_fullgraph_under_autocast_training():
     """The autocast queries of the training formulation (LayerNorm dtype, the recomputing functions'
     backward) trace without a graph break under autocast, forward and backward (Dynamo of torch 2.11 broke
     the graph at ``torch.amp.is_autocast_available`` in every LayerNorm)."""
+    torch.manual_seed(0)
+    model = GSPN2Block(8).train()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = images(1, 5, 7, channels=8, channels_last=True).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+        ref = model(x)
+    torch.testing.assert_close(out, ref)
+    (grad,) = torch.autograd.grad(out.float().sum(), x)
+    (grad_ref,) = torch.autograd.grad(ref.float().sum(), x)
+    torch.testing.assert_close(grad, grad_ref)
+
+
+# ---- the mixer's output chain as one op (option merge="fused") ----
+
+
+@pytest.fixture
+def fused_merge():
+    with options.override(merge="fused"):
+        yield
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_block_fused_merge_fp32_and_bf16(fused_merge, train):
+    """``merge="fused"`` (gspn2.ops.merge_norm_gate in the training mixer) computes the oracle's function."""
+    model, ref = _pair(_block)
+    x = images(2, 13, 17, channels=16, channels_last=True)
+    assert_same(run(model, x, train, bf16=False), run(ref, x, train, bf16=False), rtol=1e-5)
+    exact = run(ref, x, train, bf16=False)
+    assert_bf16_close(run(model, x, train, bf16=True), run(ref, x, train, bf16=True), exact)
+
+
+def test_fused_merge_runs_the_op_and_saves_as_much(fused_merge):
+    """The training mixer calls the op once per block, and keeps as many activations: out_proj's input in
+    place of the merged ``y``; the op's statistics are float32 on every device (CPU's layer_norm keeps the
+    block norms' in the input dtype under bf16 autocast)."""
+    C, E, P, K = 16, 24, 2, 1
+    model, _ = _pair(lambda: GSPN2Block(C))
+    model.train()
+    with FlopCounterMode(display=False) as counter:
+        model(images(1, 8, 12, channels=C, channels_last=True)).sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    assert counts[torch.ops.gspn2.merge_norm_gate] == 2 * 8 * 12 * 4 * P * E
+    assert _saved_bytes_per_pixel(model, bf16=False) == 4 * (8 * C + 5 * E + 22 * P + 24 * K + 6)
+    assert _saved_bytes_per_pixel(model, bf16=True) == 2 * (8 * C + 5 * E + 22 * P + 24 * K + 4) + 8
+
+
+def test_compile_fullgraph_traces_the_fused_merge(fused_merge):
     torch.manual_seed(0)
     model = GSPN2Block(8).train()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")

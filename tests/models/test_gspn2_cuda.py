@@ -9,6 +9,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
+from gspn2.ops import options
 from tests.models._models import BIG_MODELS
 from tests.models._reference import assert_bf16_close, assert_same, reference, run
 
@@ -27,12 +28,19 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+@pytest.mark.parametrize("merge", ["auto", "fused"])
 @pytest.mark.parametrize("name,shape", [("gspn2_micro", (4, 3, 64, 48)), ("gspn2_tiny", (8, 3, 224, 224))])
-def test_model_matches_the_oracle(name, shape, no_tf32):
+def test_model_matches_the_oracle(name, shape, merge, no_tf32):
     """channels_last, same weights: in fp32 (TF32 off) the logits, the input gradient and every parameter
     gradient agree to 1e-4 of their largest magnitude, in eval and train mode; under bf16 autocast the
     model's error against the fp32 oracle is at most 4x the oracle's own bf16 error + 2e-2 (its LayerNorms run
-    in bf16, the oracle's in fp32)."""
+    in bf16, the oracle's in fp32). Both formulations of the training mixer's output chain (option
+    ``merge``)."""
+    with options.override(merge=merge):
+        _check_against_the_oracle(name, shape)
+
+
+def _check_against_the_oracle(name, shape):
     torch.manual_seed(0)
     model = timm.create_model(name).cuda().to(memory_format=torch.channels_last)
     ref = reference(model).to(memory_format=torch.channels_last)
