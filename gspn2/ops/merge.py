@@ -9,9 +9,10 @@ with ``x`` the ``(N, R)`` rows of ``u * h`` (``R = 4 * C_proxy``, 8 in GSPN-2), 
 branch ``v`` and ``gate`` the gate branch ``z``, both ``(N, E)``, and the LayerNorm over the ``E`` channels
 with an affine ``norm_weight``, ``norm_bias``. As separate ops this is a GEMM with 8 inputs per output, an
 ``addcmul``, a LayerNorm and a gated product, each reading and writing ``(N, E)`` activations, and their
-backward twice as many passes. Here it is one pass each way: the forward reads ``skip_input`` and ``gate``
-and writes ``out``; the backward reads ``grad_out``, ``skip_input`` and ``gate`` and writes the gradients of
-``skip_input`` and ``gate`` (``y`` and the normalised ``y`` are recomputed from the saved row statistics).
+backward twice as many passes. Here the forward reads ``skip_input`` and ``gate`` once and writes ``out``;
+the backward (two kernels) reads ``grad_out``, ``skip_input`` and ``gate`` twice and writes the gradients of
+``skip_input`` and ``gate`` once (``y`` and the normalised ``y`` are recomputed from the saved row
+statistics, not kept).
 
 Ops (the public entry is :func:`merge_norm_gate`):
 
@@ -48,7 +49,6 @@ except ImportError:  # no Triton (CPU-only torch builds): the reference runs eve
     _merge_triton = None
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_PARAMS = ("weight", "bias", "skip", "norm_weight", "norm_bias")
 
 _LIB = torch.library.Library("gspn2", "FRAGMENT")
 _LIB.define(
