@@ -60,10 +60,8 @@ def _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(
-    X, W, Bias, V, S, NW, NB, Z, Out, Mean, Rstd, N, E, eps,
-    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-):
+def _whole_rows(X, W, Bias, V, S, N, E, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's ``BLOCK_M`` whole rows: their indices, masks and offsets, and ``y`` there."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < N
@@ -72,7 +70,15 @@ def _forward_kernel(
     offs = rows[:, None] * E + cols[None, :]
     v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R)
+    return rows, cols, rmask, cmask, mask, offs, _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R)
+
+
+@triton.jit
+def _forward_kernel(
+    X, W, Bias, V, S, NW, NB, Z, Out, Mean, Rstd, N, E, eps,
+    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    rows, cols, rmask, cmask, mask, offs, y = _whole_rows(X, W, Bias, V, S, N, E, R, BLOCK_M, BLOCK_E)
     mean = tl.sum(y, axis=1) / E  # padded columns hold 0
     d = tl.where(mask, y - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / E + eps)
@@ -93,15 +99,7 @@ def _row_terms_kernel(
 ):
     """The LayerNorm backward's two row means, ``mean(g)`` and ``mean(g * n)`` with ``g`` the gradient of
     the normalised row (after the norm's weight) and ``n`` the normalised row: whole rows per program."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_E)
-    rmask = rows < N
-    cmask = cols < E
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows[:, None] * E + cols[None, :]
-    v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = _merged(X, W, Bias, v, s, rows, cols, rmask, cmask, R)
+    rows, cols, rmask, cmask, mask, offs, y = _whole_rows(X, W, Bias, V, S, N, E, R, BLOCK_M, BLOCK_E)
     mean = tl.load(Mean + rows, mask=rmask, other=0.0)
     rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
     n = tl.where(mask, (y - mean[:, None]) * rstd[:, None], 0.0)
