@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._checks import check_tensor, refuse_nested
+from gspn2.ops.reference import _compute_dtype  # float32 for 16-bit activations: arithmetic and statistics
 
 __all__ = ["merge_norm_gate", "merge_norm_gate_backward_ref", "merge_norm_gate_ref", "triton_available"]
 
@@ -125,11 +126,6 @@ def _check_backward(grad_out, x, weight, bias, skip_input, skip, norm_weight, no
             raise ValueError(f"{op}: `{name}` is on {t.device}, `skip_input` on {skip_input.device}")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The arithmetic and row-statistics dtype for activations of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _merged(x, weight, bias, skip_input, skip, ct):
     return torch.addmm(bias.to(ct), x.to(ct), weight.to(ct).t()) + skip_input.to(ct) * skip.to(ct)
 
@@ -146,17 +142,13 @@ def merge_norm_gate_ref(x, weight, bias, skip_input, skip, norm_weight, norm_bia
 
 
 def _forward_ref(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate):
-    with autocast_off(skip_input.device.type):
-        return _forward_ref_body(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate)
-
-
-def _forward_ref_body(x, weight, bias, skip_input, skip, norm_weight, norm_bias, eps, gate):
     ct = _compute_dtype(skip_input.dtype)
-    y = _merged(x, weight, bias, skip_input, skip, ct)
-    var, mean = torch.var_mean(y, dim=-1, correction=0)
-    rstd = torch.rsqrt(var + eps)
-    a = (y - mean[:, None]) * rstd[:, None] * norm_weight.to(ct) + norm_bias.to(ct)
-    return (a * F.silu(gate.to(ct))).to(skip_input.dtype), mean, rstd
+    with autocast_off(skip_input.device.type):
+        y = _merged(x, weight, bias, skip_input, skip, ct)
+        var, mean = torch.var_mean(y, dim=-1, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        a = (y - mean[:, None]) * rstd[:, None] * norm_weight.to(ct) + norm_bias.to(ct)
+        return (a * F.silu(gate.to(ct))).to(skip_input.dtype), mean, rstd
 
 
 def merge_norm_gate_backward_ref(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean,
@@ -166,32 +158,27 @@ def merge_norm_gate_backward_ref(grad_out, x, weight, bias, skip_input, skip, no
     grad_skip, grad_norm_weight, grad_norm_bias, grad_gate)``, each in its input's dtype."""
     _check_backward(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean, rstd)
     with autocast_off(skip_input.device.type):
-        return _backward_ref_body(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean,
-                                  rstd)
-
-
-def _backward_ref_body(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean, rstd):
-    ct = _compute_dtype(skip_input.dtype)
-    E = skip_input.shape[1]
-    y = _merged(x, weight, bias, skip_input, skip, ct)
-    n = (y - mean.to(ct)[:, None]) * rstd.to(ct)[:, None]
-    nw = norm_weight.to(ct)
-    a = n * nw + norm_bias.to(ct)
-    z = gate.to(ct)
-    sg = torch.sigmoid(z)
-    go = grad_out.to(ct)
-    ga = go * z * sg
-    grad_gate = go * a * sg * (1 + z * (1 - sg))
-    gn = ga * nw
-    gy = rstd.to(ct)[:, None] * (gn - gn.sum(1, keepdim=True) / E - n * (gn * n).sum(1, keepdim=True) / E)
-    grad_x = gy @ weight.to(ct)
-    grad_weight = gy.t() @ x.to(ct)
-    act = skip_input.dtype
-    return (
-        grad_x.to(x.dtype), grad_weight.to(weight.dtype), gy.sum(0).to(bias.dtype), (gy * skip.to(ct)).to(act),
-        (gy * skip_input.to(ct)).sum(0).to(skip.dtype), (ga * n).sum(0).to(norm_weight.dtype),
-        ga.sum(0).to(norm_bias.dtype), grad_gate.to(gate.dtype),
-    )
+        ct = _compute_dtype(skip_input.dtype)
+        E = skip_input.shape[1]
+        y = _merged(x, weight, bias, skip_input, skip, ct)
+        n = (y - mean.to(ct)[:, None]) * rstd.to(ct)[:, None]
+        nw = norm_weight.to(ct)
+        a = n * nw + norm_bias.to(ct)
+        z = gate.to(ct)
+        sg = torch.sigmoid(z)
+        go = grad_out.to(ct)
+        ga = go * z * sg
+        grad_gate = go * a * sg * (1 + z * (1 - sg))
+        gn = ga * nw
+        gy = rstd.to(ct)[:, None] * (gn - gn.sum(1, keepdim=True) / E - n * (gn * n).sum(1, keepdim=True) / E)
+        grad_x = gy @ weight.to(ct)
+        grad_weight = gy.t() @ x.to(ct)
+        act = skip_input.dtype
+        return (
+            grad_x.to(x.dtype), grad_weight.to(weight.dtype), gy.sum(0).to(bias.dtype), (gy * skip.to(ct)).to(act),
+            (gy * skip_input.to(ct)).sum(0).to(skip.dtype), (ga * n).sum(0).to(norm_weight.dtype),
+            ga.sum(0).to(norm_bias.dtype), grad_gate.to(gate.dtype),
+        )
 
 
 def _use_triton(t: torch.Tensor) -> bool:
