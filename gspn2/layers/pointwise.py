@@ -26,6 +26,8 @@ from timm.layers import register_notrace_function
 
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
+from gspn2.ops import options as _options
+from gspn2.ops.gelu_linear import gelu_linear as _gelu_linear_op
 
 __all__ = [
     "ChunkedConv1x1", "Conv1x1", "NormParams", "from_rows", "gelu_linear", "norm_linear", "rows_linear", "to_rows"
@@ -142,11 +144,16 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
     Computed in ``h.dtype`` (under autocast ``h`` is already the autocast dtype): ``weight`` and ``bias``
     are cast to it outside the autograd function, so their gradients reach the parameters through the
-    cast as they would through autocast.
+    cast as they would through autocast. The option ``mlp`` (:mod:`gspn2.ops.options`, read when the call
+    is traced) picks the formulation: ``fused``, the op :func:`gspn2.ops.gelu_linear` (GELU inside its
+    GEMMs); ``auto`` / ``separate``, an autograd function of plain ops (GELU its own kernel).
 
     Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
     """
-    return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
+    weight, bias = weight.to(h.dtype), _cast(bias, h.dtype)
+    if _options.current().mlp == "fused":
+        return _gelu_linear_op(h, weight, bias)
+    return _GeluLinear.apply(h, weight, bias)
 
 
 class _RowsLinear(torch.autograd.Function):

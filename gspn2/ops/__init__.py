@@ -1,15 +1,17 @@
-"""gspn2's ops: the GSPN-2 propagation operator, the channels-last depthwise convolution and the mixer's fused
-output chain.
+"""gspn2's ops: the GSPN-2 propagation operator, the channels-last depthwise convolution, the mixer's fused
+output chain and the MLP's GELU-and-GEMM.
 
-One public entry point each (:func:`gspn_propagate`, :func:`depthwise_conv2d`, :func:`merge_norm_gate`) and the
-pure-PyTorch references of the propagation (:func:`gspn_propagate_ref`, the specification in code) and of the
-output chain (:func:`merge_norm_gate_ref`). On CUDA tensors the fused kernels
+One public entry point each (:func:`gspn_propagate`, :func:`depthwise_conv2d`, :func:`merge_norm_gate`,
+:func:`gelu_linear`) and the pure-PyTorch references of the propagation (:func:`gspn_propagate_ref`, the
+specification in code), of the output chain (:func:`merge_norm_gate_ref`) and of the MLP's half
+(:func:`gelu_linear_ref`). On CUDA tensors the fused kernels
 of ``gspn2/csrc`` run (registered in C++ when the extension is imported, :mod:`gspn2.ops._cuda`); elsewhere
 the references do. Backend and kernel choices: :mod:`gspn2.ops.options`.
 """
 
 from gspn2.ops.propagate import gspn_propagate
 from gspn2.ops.dwconv import depthwise_conv2d
+from gspn2.ops.gelu_linear import gelu_linear, gelu_linear_ref
 from gspn2.ops.merge import merge_norm_gate, merge_norm_gate_ref
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 from gspn2.ops import _cuda  # noqa: F401  (imports the extension, which registers the CUDA kernels)
@@ -17,6 +19,8 @@ from gspn2.ops import options
 
 __all__ = [
     "depthwise_conv2d",
+    "gelu_linear",
+    "gelu_linear_ref",
     "gspn_propagate",
     "gspn_propagate_backward_ref",
     "gspn_propagate_ref",

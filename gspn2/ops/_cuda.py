@@ -97,7 +97,7 @@ def describe() -> str:
     o = _options.current()
     built = "built" if _C is not None else "not built"
     return (
-        f"gspn2 ops: backend={o.backend}, kernel={o.kernel}, dwconv={o.dwconv}, merge={o.merge}, "
+        f"gspn2 ops: backend={o.backend}, kernel={o.kernel}, dwconv={o.dwconv}, merge={o.merge}, mlp={o.mlp}, "
         f"CUDA extension {built}"
     )
 

@@ -23,6 +23,9 @@ MACs per op, as :mod:`gspn2.counting` defines them:
   linear layer; the skip, the norm and the gate are elementwise and not counted).
 * ``gspn2::merge_norm_gate_backward``: ``2 R`` per output element, the input and weight gradients of that
   product.
+* ``gspn2::gelu_linear``: ``K`` per output element, the ``(M, K) x (K, N)`` product (as a linear layer; GELU
+  is elementwise and not counted); ``gspn2::gelu_linear_backward``: twice that, the input and weight
+  gradients.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from gspn2.counting import PROPAGATE_MACS_PER_ELEMENT, fvcore_available, register_fvcore_default_handles
 from gspn2.ops import dwconv as _dwconv  # noqa: F401  (defines gspn2::depthwise_conv2d and its backward)
+import gspn2.ops.gelu_linear  # noqa: F401  (defines gspn2::gelu_linear and its backward)
 from gspn2.ops import merge as _merge  # noqa: F401  (defines gspn2::merge_norm_gate and its backward)
 
 __all__ = ["FLOPS_PER_MAC", "PROPAGATE_BACKWARD_MACS_PER_ELEMENT"]
@@ -73,6 +77,16 @@ def _merge_norm_gate_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) ->
 @register_flop_formula(torch.ops.gspn2.merge_norm_gate_backward)
 def _merge_norm_gate_backward_flops(grad_out_shape, x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     return FLOPS_PER_MAC * 2 * math.prod(x_shape) * w_shape[0]
+
+
+@register_flop_formula(torch.ops.gspn2.gelu_linear)
+def _gelu_linear_flops(h_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return FLOPS_PER_MAC * math.prod(h_shape) * w_shape[0]
+
+
+@register_flop_formula(torch.ops.gspn2.gelu_linear_backward)
+def _gelu_linear_backward_flops(grad_out_shape, h_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return FLOPS_PER_MAC * 2 * math.prod(h_shape) * w_shape[0]
 
 
 # fvcore is a dependency of the package, but the op layer does not need it: without it, only the fvcore

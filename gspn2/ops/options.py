@@ -28,6 +28,10 @@ environment         option                               values
                     output chain (proj_up, skip, norm,   then the norm and gate fused into out_proj
                     gate)                                (measured faster); ``fused``: one
                                                          ``gspn2.ops.merge_norm_gate``, then out_proj
+``GSPN2_MLP``       ``mlp``: the training MLP's          ``auto`` / ``separate``: GELU as its own op
+                    ``fc2(gelu(h))``                     before the fc2 GEMM (Inductor fuses it with its
+                                                         neighbours); ``fused``: one
+                                                         ``gspn2.ops.gelu_linear`` (GELU inside the GEMMs)
 ==================  ===================================  ================================================
 
 Values from the environment are case-insensitive; an unset or empty variable means ``auto``.
@@ -49,6 +53,7 @@ __all__ = [
     "KERNELS",
     "KERNEL_ENV",
     "MERGE_ENV",
+    "MLP_ENV",
     "Options",
     "backend",
     "current",
@@ -63,6 +68,7 @@ BACKEND_ENV = "GSPN2_BACKEND"
 KERNEL_ENV = "GSPN2_KERNEL"
 DWCONV_ENV = "GSPN2_DWCONV"
 MERGE_ENV = "GSPN2_MERGE"
+MLP_ENV = "GSPN2_MLP"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster")
@@ -77,9 +83,10 @@ _CHOICES = {
     "dwconv": ("auto", "cuda", "cudnn"),
     "dwconv_kernel": DWCONV_KERNELS,
     "merge": ("auto", "separate", "fused"),
+    "mlp": ("auto", "separate", "fused"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
-_ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV, "merge": MERGE_ENV}
+_ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV, "merge": MERGE_ENV, "mlp": MLP_ENV}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Options:
     dwconv_kernel: str = "auto"
     dwconv_tile_cols: int = 4
     merge: str = "auto"
+    mlp: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

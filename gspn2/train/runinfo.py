@@ -20,8 +20,8 @@ def backend_info(device: torch.device) -> dict[str, object]:
     """The implementations that run on ``device``: a flat dict of strings and one bool.
 
     ``op``/``dwconv`` are what actually runs (CPU tensors always take the pure-PyTorch reference and
-    torch's convolution); ``op_backend``, ``kernel_family``, ``dwconv_backend`` and ``merge`` (the training
-    mixer's output chain) are the settings.
+    torch's convolution); ``op_backend``, ``kernel_family``, ``dwconv_backend``, ``merge`` (the training
+    mixer's output chain) and ``mlp`` (the training MLP's second GEMM) are the settings.
     """
     on_cuda = device.type == "cuda"
     op_backend = backend()
@@ -38,6 +38,7 @@ def backend_info(device: torch.device) -> dict[str, object]:
         "dwconv": ("gspn2-kernel/cudnn" if dwconv == "auto" else dwconv) if on_cuda else "torch-cpu",
         "dwconv_backend": dwconv,
         "merge": current().merge,
+        "mlp": current().mlp,
         "extension_built": extension_available(),
     }
 
@@ -50,6 +51,7 @@ def describe(info: dict[str, object]) -> str:
     return (
         f"gspn2 op: {info['op']} (GSPN2_BACKEND={info['op_backend']}{family}), "
         f"depthwise conv: GSPN2_DWCONV={info['dwconv_backend']}, GSPN2_MERGE={info['merge']}, "
+        f"GSPN2_MLP={info['mlp']}, "
         f"extension built: {info['extension_built']}"
     )
 

@@ -200,13 +200,13 @@ def test_compile_fullgraph_traces_the_block():
         torch.testing.assert_close(compiled(xb), model(xb))
 
 
-@pytest.mark.parametrize("merge", ["auto", "fused"])
-def test_compile_fullgraph_under_autocast_training(merge):
+@pytest.mark.parametrize("merge,mlp", [("auto", "auto"), ("fused", "auto"), ("auto", "fused")])
+def test_compile_fullgraph_under_autocast_training(merge, mlp):
     """The autocast queries of the training formulation (LayerNorm dtype, the recomputing functions'
     backward) trace without a graph break under autocast, forward and backward (Dynamo of torch 2.11 broke
     the graph at ``torch.amp.is_autocast_available`` in every LayerNorm); with either formulation of the
-    mixer's output chain (option ``merge``)."""
-    with options.override(merge=merge):
+    mixer's output chain (option ``merge``) and of the MLP's second GEMM (option ``mlp``)."""
+    with options.override(merge=merge, mlp=mlp):
         _compile_under_autocast()
 
 
@@ -257,3 +257,34 @@ def test_fused_merge_runs_the_op_and_saves_as_much(fused_merge):
     assert _saved_bytes_per_pixel(model, bf16=False) == 4 * (8 * C + 5 * E + 22 * P + 24 * K + 6)
     assert _saved_bytes_per_pixel(model, bf16=True) == 2 * (8 * C + 5 * E + 22 * P + 24 * K + 4) + 8
 
+
+
+# ---- the MLP's GELU and second GEMM as one op (option mlp="fused") ----
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_block_fused_mlp_fp32_and_bf16(train):
+    """``mlp="fused"`` (gspn2.ops.gelu_linear in the training MLP) computes the oracle's function."""
+    with options.override(mlp="fused"):
+        model, ref = _pair(_block)
+        x = images(2, 13, 17, channels=16, channels_last=True)
+        assert_same(run(model, x, train, bf16=False), run(ref, x, train, bf16=False), rtol=1e-5)
+        exact = run(ref, x, train, bf16=False)
+        assert_bf16_close(run(model, x, train, bf16=True), run(ref, x, train, bf16=True), exact)
+
+
+def test_fused_mlp_runs_the_op_and_saves_as_much():
+    """The training MLP calls the op once per block (the MLP's second GEMM, 4C inputs per output) and keeps
+    as many activations as the separate formulation: the pre-activation only."""
+    C = 16
+    model, _ = _pair(lambda: GSPN2Block(C))
+    model.train()
+    saved = {bf16: _saved_bytes_per_pixel(model, bf16=bf16) for bf16 in (False, True)}
+    with options.override(mlp="fused"):
+        with FlopCounterMode(display=False) as counter:
+            model(images(1, 8, 12, channels=C, channels_last=True)).sum().backward()
+        counts = counter.get_flop_counts()["Global"]
+        assert counts[torch.ops.gspn2.gelu_linear] == 2 * 8 * 12 * 4 * C * C
+        assert counts[torch.ops.gspn2.gelu_linear_backward] == 4 * 8 * 12 * 4 * C * C
+        for bf16 in (False, True):
+            assert _saved_bytes_per_pixel(model, bf16=bf16) == saved[bf16]

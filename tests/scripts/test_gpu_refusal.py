@@ -39,11 +39,12 @@ def test_gpu_profile_dwconv_refuses_an_unknown_variant_first(monkeypatch):
         module.main()
 
 
-def test_bench_merge_refuses_without_a_gpu_and_checks_its_arguments(monkeypatch):
+@pytest.mark.parametrize("script", ["bench_merge", "bench_gelu_linear"])
+def test_fused_op_benchmarks_refuse_without_a_gpu_and_check_their_arguments(script, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("sys.argv", ["bench_merge.py", "--sweep"])
-    with script_module("bench_merge") as module, pytest.raises(SystemExit, match="needs a CUDA GPU"):
+    monkeypatch.setattr("sys.argv", [f"{script}.py", "--sweep"])
+    with script_module(script) as module, pytest.raises(SystemExit, match="needs a CUDA GPU"):
         module.main()
-    monkeypatch.setattr("sys.argv", ["bench_merge.py", "--batch", "0"])
-    with script_module("bench_merge") as module, pytest.raises(SystemExit):
+    monkeypatch.setattr("sys.argv", [f"{script}.py", "--batch", "0"])
+    with script_module(script) as module, pytest.raises(SystemExit):
         module.main()
