@@ -1,5 +1,6 @@
 """Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_step.py; kernel time from a CUDA
-graph for scripts/bench_dwconv.py), a GSPN-2 model's depthwise convolution shapes (scripts/bench_dwconv.py,
+graph for scripts/bench_dwconv.py), the device's copy rate (the bandwidth floors of scripts/bench_op.py and
+scripts/bench_gelu_linear.py), a GSPN-2 model's depthwise convolution shapes (scripts/bench_dwconv.py,
 scripts/gpu_profile.py), the ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py)
 and image-size arguments (scripts/count.py, scripts/receptive_field.py)."""
 
@@ -15,8 +16,22 @@ from gspn2.ops.dwconv import FAMILIES
 from gspn2.ops.options import DWCONV_TILE_COLS
 
 __all__ = [
-    "DWCONV_VARIANTS", "aot_config", "dwconv_shapes", "dwconv_variant_options", "graph_ms", "median_ms", "parse_image_size"
+    "DWCONV_VARIANTS", "aot_config", "copy_bandwidth", "dwconv_shapes", "dwconv_variant_options", "graph_ms", "median_ms", "parse_image_size"
 ]
+
+
+def copy_bandwidth() -> float:
+    """The CUDA device's copy rate in bytes/s (bytes read plus bytes written), from a device-to-device copy of a
+    2 GiB float32 buffer of random values (median of ``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+
+    n = 1 << 29
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = float(do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median"))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / (ms * 1e-3)
 
 
 def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | None = None) -> float:

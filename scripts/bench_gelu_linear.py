@@ -38,13 +38,6 @@ def _ms(fn) -> float:
     return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
 
 
-def _copy_rate() -> float:
-    """Device-to-device copy rate in bytes/s (read + write), from a 1 GiB copy."""
-    src = torch.empty(2**29, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / (_ms(lambda: dst.copy_(src)) * 1e-3)
-
-
 def _times(fn, h, w, b, dtype) -> tuple[float, float]:
     leaves = (h, w, b)
 
@@ -128,12 +121,13 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gelu_linear.py needs a CUDA GPU")
     import gspn2  # noqa: F401  (registers the ops)
+    from gspn2.benchmark import copy_bandwidth
     from gspn2.layers import gelu_linear as layer_gelu_linear
     from gspn2.ops import gelu_linear, options
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     size = torch.finfo(dtype).bits // 8
-    rate = _copy_rate()
+    rate = copy_bandwidth()
     print(f"copy rate {rate / 1e12:.2f} TB/s", flush=True)
     rows, sweep = [], []
     for side, C in STAGES:

@@ -8,7 +8,9 @@ Per stage (N = batch x side^2 rows, E = 1.5 C hidden channels, R = 8 merged prox
 ``uh (N, R)``, ``v (N, E)`` and ``z (N, E)`` to the mixer's output ``(N, C)``, forward and forward + backward:
 
 * ``separate``: ``rows_linear`` (proj_up plus the skip), then ``norm_linear`` (the norm, the gate and
-  out_proj in one autograd function): what ``GSPN2Mixer.forward_fused`` runs;
+  out_proj in one autograd function): what ``GSPN2Mixer.forward_fused`` runs, eagerly;
+* ``compiled``: the same under ``torch.compile`` (Inductor fuses the skip, the norm and the gate, forward
+  and backward, into its own kernels; the GEMMs stay cuBLAS), what a compiled model runs;
 * ``fused``: ``merge_norm_gate`` (proj_up, the skip, the norm and the gate in one op), then ``rows_linear``
   (out_proj).
 
@@ -129,10 +131,11 @@ def main(argv=None) -> None:
         N, E = args.batch * side * side, int(round(1.5 * C))
         a, p = _inputs(N, E, C, dtype)
         sep = _chain_times(_separate, a, p, dtype)
+        com = _chain_times(torch.compile(_separate, fullgraph=True), a, p, dtype)
         fus = _chain_times(_fused, a, p, dtype)
-        rows.append(dict(side=side, N=N, E=E, C=C, separate=sep, fused=fus))
-        print(f"{side}^2 N={N} E={E}: separate {sep[0]:.4f} / {sep[1]:.4f} ms, fused {fus[0]:.4f} / {fus[1]:.4f} ms",
-              flush=True)
+        rows.append(dict(side=side, N=N, E=E, C=C, separate=sep, compiled=com, fused=fus))
+        print(f"{side}^2 N={N} E={E}: separate {sep[0]:.4f} / {sep[1]:.4f} ms, compiled {com[0]:.4f} / {com[1]:.4f} "
+              f"ms, fused {fus[0]:.4f} / {fus[1]:.4f} ms", flush=True)
         if args.sweep:
             for cfg, per_sm in _sweep(K.config(E)):
                 what = (f"fwd {cfg['fwd_block_m']} rows / {cfg['fwd_warps']} warps, bwd {cfg['bwd_block_m']} rows x "
@@ -148,11 +151,13 @@ def main(argv=None) -> None:
         env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, batch=args.batch, dtype=args.dtype)
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows, sweep=sweep), f, indent=1)
-    print("\n| stage | N x E | separate fwd / fwd+bwd ms | fused fwd / fwd+bwd ms | fused / separate (fwd+bwd) |")
-    print("|---|---|---|---|---|")
+    print("\n| stage | N x E | separate fwd / fwd+bwd ms | compiled fwd / fwd+bwd ms | fused fwd / fwd+bwd ms | "
+          "fused / compiled (fwd+bwd) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        (sf, sb), (ff, fb) = r["separate"], r["fused"]
-        print(f"| {r['side']}^2 | {r['N']} x {r['E']} | {sf:.4f} / {sb:.4f} | {ff:.4f} / {fb:.4f} | {fb / sb:.2f} |")
+        (sf, sb), (cf, cb), (ff, fb) = r["separate"], r["compiled"], r["fused"]
+        print(f"| {r['side']}^2 | {r['N']} x {r['E']} | {sf:.4f} / {sb:.4f} | {cf:.4f} / {cb:.4f} | {ff:.4f} / {fb:.4f} "
+              f"| {fb / cb:.2f} |")
 
 
 if __name__ == "__main__":

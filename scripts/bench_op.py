@@ -40,6 +40,7 @@ import time
 import torch
 
 import gspn2  # noqa: F401
+from gspn2.benchmark import copy_bandwidth
 from gspn2.ops import _cuda, depthwise_conv2d, gspn_propagate, gspn_propagate_ref
 from gspn2.ops.dwconv import variant as dwconv_variant
 
@@ -89,17 +90,6 @@ def once_ms(fn) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy rate in bytes/s (read + write), 2 GiB buffers."""
-    n = 1 << 29
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), graph=False)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n * 4 / (ms * 1e-3)
 
 
 def floor_bytes(B, C, H, W, K, esize):

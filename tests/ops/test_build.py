@@ -128,10 +128,11 @@ def _restore_options():
 def test_options_parse_the_environment_once_and_strictly():
     assert options.from_env({}) == options.Options()
     got = options.from_env(
-        {"GSPN2_BACKEND": " Reference ", "GSPN2_KERNEL": "FAST", "GSPN2_DWCONV": "", "GSPN2_MERGE": "Fused"}
+        {"GSPN2_BACKEND": " Reference ", "GSPN2_KERNEL": "FAST", "GSPN2_DWCONV": "", "GSPN2_MERGE": "Fused",
+         "GSPN2_MLP": "SEPARATE"}
     )
-    assert (got.backend, got.kernel, got.dwconv, got.merge) == ("reference", "fast", "auto", "fused")
-    for var in ("GSPN2_BACKEND", "GSPN2_KERNEL", "GSPN2_DWCONV", "GSPN2_MERGE"):
+    assert (got.backend, got.kernel, got.dwconv, got.merge, got.mlp) == ("reference", "fast", "auto", "fused", "separate")
+    for var in ("GSPN2_BACKEND", "GSPN2_KERNEL", "GSPN2_DWCONV", "GSPN2_MERGE", "GSPN2_MLP"):
         with pytest.raises(ValueError, match=var):
             options.from_env({var: "nonsense"})
     with pytest.raises(ValueError, match="`kernel`"):
@@ -140,6 +141,8 @@ def test_options_parse_the_environment_once_and_strictly():
         options.set_options(cluster_ctas=3)
     with pytest.raises(ValueError, match="`merge`"):
         options.set_options(merge="one")
+    with pytest.raises(ValueError, match="`mlp`"):
+        options.set_options(mlp="both")
     with pytest.raises(TypeError, match="unknown gspn2 option"):
         options.set_options(kernal="fast")
     with options.override(kernel="general") as o:
