@@ -1,6 +1,7 @@
 """Helpers shared by the scripts: timing (scripts/bench_models.py, scripts/bench_step.py; kernel time from a CUDA
 graph for scripts/bench_dwconv.py), the device's copy rate (the bandwidth floors of scripts/bench_op.py and
-scripts/bench_gelu_linear.py), a GSPN-2 model's depthwise convolution shapes (scripts/bench_dwconv.py,
+scripts/bench_gelu_linear.py), the arguments and the forward / forward + backward timing of the fused-op
+benchmarks (scripts/bench_merge.py, scripts/bench_gelu_linear.py), a GSPN-2 model's depthwise convolution shapes (scripts/bench_dwconv.py,
 scripts/gpu_profile.py), the ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py)
 and image-size arguments (scripts/count.py, scripts/receptive_field.py)."""
 
@@ -16,7 +17,8 @@ from gspn2.ops.dwconv import FAMILIES
 from gspn2.ops.options import DWCONV_TILE_COLS
 
 __all__ = [
-    "DWCONV_VARIANTS", "aot_config", "copy_bandwidth", "dwconv_shapes", "dwconv_variant_options", "graph_ms", "median_ms", "parse_image_size"
+    "DWCONV_VARIANTS", "aot_config", "copy_bandwidth", "cudagraph_ms", "dwconv_shapes", "dwconv_variant_options", "fused_op_args",
+    "fwd_and_fwd_bwd_ms", "graph_ms", "median_ms", "parse_image_size",
 ]
 
 
@@ -32,6 +34,49 @@ def copy_bandwidth() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n * 4 / (ms * 1e-3)
+
+
+def fused_op_args(script: str, description: str, argv=None) -> argparse.Namespace:
+    """The arguments of a fused-op benchmark (``--batch``, ``--dtype``, ``--sweep``, ``--json``), checked before
+    anything runs; exits naming ``script`` without a CUDA GPU."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernels over launch configurations")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    return args
+
+
+def cudagraph_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of one call of ``fn`` replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``,
+    50 ms of replays): kernel time without the host's."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
+
+
+def fwd_and_fwd_bwd_ms(fn: Callable[[], torch.Tensor], leaves, dtype: torch.dtype) -> tuple[float, float]:
+    """Median milliseconds of CUDA-graph replays (``triton.testing.do_bench_cudagraph``) of ``fn()`` under
+    ``dtype`` autocast without autograd, and of ``fn()`` with the gradients of ``leaves`` (from ones). Both
+    run once first, outside the capture (compilation, autograd's first run)."""
+
+    def fwd():
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+            fn()
+
+    def fwd_bwd():
+        with torch.autocast("cuda", dtype=dtype):
+            out = fn()
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    fwd_bwd()
+    fwd()
+    return cudagraph_ms(fwd), cudagraph_ms(fwd_bwd)
 
 
 def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool | None = None) -> float:

@@ -22,37 +22,15 @@ lines are a markdown table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 
+from gspn2.benchmark import cudagraph_ms, fused_op_args, fwd_and_fwd_bwd_ms
+
 #: gspn2_tiny: (side of the feature map at 224^2, C); the MLP's hidden width is 4 C.
 STAGES = ((56, 80), (28, 160), (14, 320), (7, 640))
-
-
-def _ms(fn) -> float:
-    from triton.testing import do_bench_cudagraph
-
-    return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
-
-
-def _times(fn, h, w, b, dtype) -> tuple[float, float]:
-    leaves = (h, w, b)
-
-    def fwd():
-        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-            fn(h, w, b)
-
-    def fwd_bwd():
-        with torch.autocast("cuda", dtype=dtype):
-            out = fn(h, w, b)
-        torch.autograd.grad(out, leaves, torch.ones_like(out))
-
-    fwd_bwd()  # compilation and autograd's first run outside the graph capture
-    fwd()
-    return _ms(fwd), _ms(fwd_bwd)
 
 
 def _forward_configs(N: int, K: int):
@@ -91,18 +69,18 @@ def _sweep(M: int, K: int, N: int, dtype: torch.dtype):
     go = torch.randn(M, N, device="cuda", dtype=dtype)
     out = torch.empty(M, N, device="cuda", dtype=dtype)
     grad_h, a = torch.empty_like(h), torch.empty_like(h)
-    rows = [dict(kernel="forward", config="cuBLAS + GELU", ms=_ms(lambda: F.linear(F.gelu(h), w, b)))]
-    rows.append(dict(kernel="backward", config="cuBLAS + GELU'", ms=_ms(
+    rows = [dict(kernel="forward", config="cuBLAS + GELU", ms=cudagraph_ms(lambda: F.linear(F.gelu(h), w, b)))]
+    rows.append(dict(kernel="backward", config="cuBLAS + GELU'", ms=cudagraph_ms(
         lambda: (torch.ops.aten.gelu_backward(go @ w, h), F.gelu(h)))))
     for cfg in _forward_configs(N, K):
         try:
-            t = _ms(lambda: T.forward(h, w, b, out, **cfg))
+            t = cudagraph_ms(lambda: T.forward(h, w, b, out, **cfg))
         except Exception as exc:  # a configuration the GPU cannot run (shared memory, registers)
             t = f"{type(exc).__name__}"
         rows.append(dict(kernel="forward", config=cfg, ms=t))
     for cfg in _backward_configs(N, K):
         try:
-            t = _ms(lambda: T.backward(go, w, h, grad_h, a, **cfg))
+            t = cudagraph_ms(lambda: T.backward(go, w, h, grad_h, a, **cfg))
         except Exception as exc:
             t = f"{type(exc).__name__}"
         rows.append(dict(kernel="backward", config=cfg, ms=t))
@@ -110,16 +88,7 @@ def _sweep(M: int, K: int, N: int, dtype: torch.dtype):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--sweep", action="store_true", help="also time the kernels over launch configurations")
-    parser.add_argument("--json", default=None, help="write the results here")
-    args = parser.parse_args(argv)
-    if args.batch < 1:
-        parser.error(f"--batch must be >= 1, got {args.batch}")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gelu_linear.py needs a CUDA GPU")
+    args = fused_op_args("bench_gelu_linear.py", __doc__, argv)
     import gspn2  # noqa: F401  (registers the ops)
     from gspn2.benchmark import copy_bandwidth
     from gspn2.layers import gelu_linear as layer_gelu_linear
@@ -136,10 +105,11 @@ def main(argv=None) -> None:
         h = (torch.randn(M, K, generator=g, device="cuda")).to(dtype).requires_grad_()
         w = (torch.randn(N, K, generator=g, device="cuda") / K**0.5).requires_grad_()
         b = torch.randn(N, generator=g, device="cuda").requires_grad_()
-        with options.override(mlp="separate"):
-            eager = _times(layer_gelu_linear, h, w, b, dtype)
-            compiled = _times(torch.compile(layer_gelu_linear, fullgraph=True), h, w, b, dtype)
-        fused = _times(gelu_linear, h, w, b, dtype)
+        with options.override(mlp="separate"):  # read when each is traced: on their first calls, here
+            eager = fwd_and_fwd_bwd_ms(lambda: layer_gelu_linear(h, w, b), (h, w, b), dtype)
+            separate = torch.compile(layer_gelu_linear, fullgraph=True)
+            compiled = fwd_and_fwd_bwd_ms(lambda: separate(h, w, b), (h, w, b), dtype)
+        fused = fwd_and_fwd_bwd_ms(lambda: gelu_linear(h, w, b), (h, w, b), dtype)
         floor = (size * (M * K + M * N) / rate * 1e3, size * (2 * M * N + 4 * M * K) / rate * 1e3)
         rows.append(dict(side=side, M=M, K=K, N=N, eager=eager, compiled=compiled, fused=fused, floor=floor))
         print(f"{side}^2 M={M} K={K} N={N}: eager {eager[0]:.4f} / {eager[1]:.4f} ms, compiled {compiled[0]:.4f} / "

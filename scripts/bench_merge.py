@@ -21,12 +21,13 @@ configurations around the default (``gspn2.ops._merge_triton.config``). The last
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
 
 import torch
+
+from gspn2.benchmark import cudagraph_ms, fused_op_args, fwd_and_fwd_bwd_ms
 
 #: gspn2_tiny: (side of the feature map at 224^2, C); the mixer's hidden width is 1.5 C.
 STAGES = ((56, 80), (28, 160), (14, 320), (7, 640))
@@ -60,28 +61,6 @@ def _fused(a, p):
     return rows_linear(m, p["w_out"], p["b_out"])
 
 
-def _ms(fn) -> float:
-    from triton.testing import do_bench_cudagraph
-
-    return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
-
-
-def _chain_times(chain, a, p, dtype) -> tuple[float, float]:
-    leaves = [*a.values(), *p.values()]
-
-    def fwd():
-        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-            chain(a, p)
-
-    def fwd_bwd():
-        with torch.autocast("cuda", dtype=dtype):
-            out = chain(a, p)
-        torch.autograd.grad(out, leaves, torch.ones_like(out))
-
-    fwd_bwd()  # autograd's first run outside the graph capture
-    return _ms(fwd), _ms(fwd_bwd)
-
-
 def _kernel_times(a, p, cfg: dict, per_sm: int) -> tuple[float, float]:
     """The forward and the backward Triton kernels alone (with their small host-side sums), launched with
     ``cfg`` and ``per_sm`` backward programs per SM."""
@@ -94,8 +73,8 @@ def _kernel_times(a, p, cfg: dict, per_sm: int) -> tuple[float, float]:
     go = torch.randn_like(v)
     _, mean, rstd = triton_forward(uh, w, b, v, s, nw, nb, 1e-6, z, cfg)
     return (
-        _ms(lambda: triton_forward(uh, w, b, v, s, nw, nb, 1e-6, z, cfg)),
-        _ms(lambda: triton_backward(go, uh, w, b, v, s, nw, nb, z, mean, rstd, cfg, programs)),
+        cudagraph_ms(lambda: triton_forward(uh, w, b, v, s, nw, nb, 1e-6, z, cfg)),
+        cudagraph_ms(lambda: triton_backward(go, uh, w, b, v, s, nw, nb, z, mean, rstd, cfg, programs)),
     )
 
 
@@ -112,16 +91,7 @@ def _sweep(base: dict):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--sweep", action="store_true", help="also time the kernels over launch configurations")
-    parser.add_argument("--json", default=None, help="write the results here")
-    args = parser.parse_args(argv)
-    if args.batch < 1:
-        parser.error(f"--batch must be >= 1, got {args.batch}")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_merge.py needs a CUDA GPU")
+    args = fused_op_args("bench_merge.py", __doc__, argv)
     import gspn2  # noqa: F401  (registers the ops)
     from gspn2.ops import _merge_triton as K
 
@@ -130,9 +100,11 @@ def main(argv=None) -> None:
     for side, C in STAGES:
         N, E = args.batch * side * side, int(round(1.5 * C))
         a, p = _inputs(N, E, C, dtype)
-        sep = _chain_times(_separate, a, p, dtype)
-        com = _chain_times(torch.compile(_separate, fullgraph=True), a, p, dtype)
-        fus = _chain_times(_fused, a, p, dtype)
+        leaves = [*a.values(), *p.values()]
+        compiled = torch.compile(_separate, fullgraph=True)
+        sep = fwd_and_fwd_bwd_ms(lambda: _separate(a, p), leaves, dtype)
+        com = fwd_and_fwd_bwd_ms(lambda: compiled(a, p), leaves, dtype)
+        fus = fwd_and_fwd_bwd_ms(lambda: _fused(a, p), leaves, dtype)
         rows.append(dict(side=side, N=N, E=E, C=C, separate=sep, compiled=com, fused=fus))
         print(f"{side}^2 N={N} E={E}: separate {sep[0]:.4f} / {sep[1]:.4f} ms, compiled {com[0]:.4f} / {com[1]:.4f} "
               f"ms, fused {fus[0]:.4f} / {fus[1]:.4f} ms", flush=True)
