@@ -6,9 +6,6 @@ that precision), determinism and ``torch.compile(fullgraph=True)``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import gspn2  # noqa: F401
 from gspn2.ops import gelu_linear, gelu_linear_ref
 from gspn2.ops.gelu_linear import gelu_linear_backward_ref, triton_available
+from tests.ops._interpreter import run_in_triton_interpreter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -139,11 +137,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not triton_available(), reason="needs Triton (installed with CUDA builds of torch)")
 def test_triton_kernels_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok")
+    run_in_triton_interpreter(_INTERPRETER_SCRIPT)
 
 
 # ---- the kernels on a GPU ----
