@@ -34,7 +34,7 @@ STAGES = ((56, 80), (28, 160), (14, 320), (7, 640))
 
 
 def _forward_configs(N: int, K: int):
-    from gspn2.ops import _gelu_linear_triton as T
+    from gspn2.ops import _gelu_gemm_triton as T
 
     base = T.forward_config(N, K)
     yield base
@@ -46,7 +46,7 @@ def _forward_configs(N: int, K: int):
 
 
 def _backward_configs(N: int, K: int):
-    from gspn2.ops import _gelu_linear_triton as T
+    from gspn2.ops import _gelu_gemm_triton as T
 
     base = T.backward_config(N, K)
     yield base
@@ -61,7 +61,7 @@ def _sweep(M: int, K: int, N: int, dtype: torch.dtype):
     replaces (eager: GELU then ``F.linear``; ``mm`` then GELU's derivative and GELU)."""
     import torch.nn.functional as F
 
-    from gspn2.ops import _gelu_linear_triton as T
+    from gspn2.ops import _gelu_gemm_triton as T
 
     h = torch.randn(M, K, device="cuda", dtype=dtype)
     w = torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5

@@ -27,7 +27,7 @@ from timm.layers import register_notrace_function
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 from gspn2.ops import options as _options
-from gspn2.ops.gelu_linear import gelu_linear as _gelu_linear_op
+from gspn2.ops.gelu_gemm import gelu_linear as _gelu_linear_op
 
 __all__ = [
     "ChunkedConv1x1", "Conv1x1", "NormParams", "from_rows", "gelu_linear", "norm_linear", "rows_linear", "to_rows"

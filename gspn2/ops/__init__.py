@@ -11,7 +11,7 @@ the references do. Backend and kernel choices: :mod:`gspn2.ops.options`.
 
 from gspn2.ops.propagate import gspn_propagate
 from gspn2.ops.dwconv import depthwise_conv2d
-from gspn2.ops.gelu_linear import gelu_linear, gelu_linear_ref
+from gspn2.ops.gelu_gemm import gelu_linear, gelu_linear_ref
 from gspn2.ops.merge import merge_norm_gate, merge_norm_gate_ref
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
 from gspn2.ops import _cuda  # noqa: F401  (imports the extension, which registers the CUDA kernels)

@@ -37,7 +37,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from gspn2.counting import PROPAGATE_MACS_PER_ELEMENT, fvcore_available, register_fvcore_default_handles
 from gspn2.ops import dwconv as _dwconv  # noqa: F401  (defines gspn2::depthwise_conv2d and its backward)
-import gspn2.ops.gelu_linear  # noqa: F401  (defines gspn2::gelu_linear and its backward)
+import gspn2.ops.gelu_gemm  # noqa: F401  (defines gspn2::gelu_linear and its backward)
 from gspn2.ops import merge as _merge  # noqa: F401  (defines gspn2::merge_norm_gate and its backward)
 
 __all__ = ["FLOPS_PER_MAC", "PROPAGATE_BACKWARD_MACS_PER_ELEMENT"]

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gspn2  # noqa: F401
 from gspn2.ops import gelu_linear, gelu_linear_ref
-from gspn2.ops.gelu_linear import gelu_linear_backward_ref, triton_available
+from gspn2.ops.gelu_gemm import gelu_linear_backward_ref, triton_available
 from tests.ops._interpreter import run_in_triton_interpreter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -106,8 +106,8 @@ def test_flop_count():
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
-    from gspn2.ops import _gelu_linear_triton as K
-    from gspn2.ops.gelu_linear import gelu_linear_backward_ref, gelu_linear_ref, triton_backward, triton_forward
+    from gspn2.ops import _gelu_gemm_triton as K
+    from gspn2.ops.gelu_gemm import gelu_linear_backward_ref, gelu_linear_ref, triton_backward, triton_forward
 
     # (M, K, N, dtype, bias): rows not a multiple of the row block, several inner steps, output columns that
     # do not fill their block, more than one column tile, a group of row tiles cut short.

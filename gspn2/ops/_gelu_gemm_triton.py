@@ -1,4 +1,4 @@
-"""Triton kernels of ``gspn2::gelu_linear`` and its backward (:mod:`gspn2.ops.gelu_linear`).
+"""Triton kernels of ``gspn2::gelu_linear`` and its backward (:mod:`gspn2.ops.gelu_gemm`).
 
 Every tensor is a contiguous row matrix: ``h (M, K)`` (rows are pixels), ``weight (N, K)``, ``grad_out (M, N)``.
 GEMMs on the tensor cores (``tl.dot``, float32 accumulation) with the GELU where the data already is:

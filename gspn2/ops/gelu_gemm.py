@@ -15,7 +15,7 @@ Ops (the public entry is :func:`gelu_linear`):
 * ``gspn2::gelu_linear_backward(grad_out, h, weight, has_bias) -> (grad_h, grad_weight, grad_bias)``
   (``grad_bias`` is empty without a bias).
 
-Implementations: on CUDA for float16 and bfloat16 the Triton kernels of :mod:`gspn2.ops._gelu_linear_triton`
+Implementations: on CUDA for float16 and bfloat16 the Triton kernels of :mod:`gspn2.ops._gelu_gemm_triton`
 (float32 accumulation, fixed launch configurations: deterministic); everywhere else, float32 on CUDA included
 (whose GEMMs then follow PyTorch's TF32 setting), :func:`gelu_linear_ref` and
 :func:`gelu_linear_backward_ref`, the same function in PyTorch. All three inputs share one dtype and device.
@@ -32,9 +32,9 @@ from gspn2.ops._checks import check_tensor, refuse_nested
 __all__ = ["gelu_linear", "gelu_linear_backward_ref", "gelu_linear_ref", "triton_available"]
 
 try:
-    from gspn2.ops import _gelu_linear_triton
+    from gspn2.ops import _gelu_gemm_triton
 except ImportError:  # no Triton (CPU-only torch builds): the reference runs everywhere
-    _gelu_linear_triton = None
+    _gelu_gemm_triton = None
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -47,7 +47,7 @@ _LIB.define(
 
 def triton_available() -> bool:
     """Whether the Triton kernels can be imported (16-bit CUDA tensors then run them)."""
-    return _gelu_linear_triton is not None
+    return _gelu_gemm_triton is not None
 
 
 def _check(h, weight, bias) -> None:
@@ -107,7 +107,7 @@ def gelu_linear_backward_ref(grad_out, h, weight, has_bias):
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return _gelu_linear_triton is not None and t.dtype in _KERNEL_DTYPES and t.shape[0] > 0
+    return _gelu_gemm_triton is not None and t.dtype in _KERNEL_DTYPES and t.shape[0] > 0
 
 
 @torch.library.impl(_LIB, "gelu_linear", "CompositeExplicitAutograd")
@@ -117,18 +117,18 @@ def _forward_reference(h, weight, bias):
 
 def triton_forward(h, weight, bias, cfg):
     """The Triton forward on contiguous ``h (M >= 1, K)``, ``weight``, ``bias`` with the launch configuration
-    ``cfg`` (:func:`gspn2.ops._gelu_linear_triton.forward_config`'s keys)."""
+    ``cfg`` (:func:`gspn2.ops._gelu_gemm_triton.forward_config`'s keys)."""
     out = torch.empty((h.shape[0], weight.shape[0]), dtype=h.dtype, device=h.device)
-    _gelu_linear_triton.forward(h, weight, bias, out, **cfg)
+    _gelu_gemm_triton.forward(h, weight, bias, out, **cfg)
     return out
 
 
 def triton_backward(grad_out, h, weight, has_bias, cfg):
     """The Triton backward on contiguous rows with the launch configuration ``cfg`` of its input-side kernel
-    (:func:`gspn2.ops._gelu_linear_triton.backward_config`'s keys): ``(grad_h, grad_weight, grad_bias)``."""
+    (:func:`gspn2.ops._gelu_gemm_triton.backward_config`'s keys): ``(grad_h, grad_weight, grad_bias)``."""
     grad_h = torch.empty_like(h)
     a = torch.empty_like(h)
-    _gelu_linear_triton.backward(grad_out, weight, h, grad_h, a, **cfg)
+    _gelu_gemm_triton.backward(grad_out, weight, h, grad_h, a, **cfg)
     grad_b = grad_out.sum(0) if has_bias else grad_out.new_empty((0,))
     return grad_h, grad_out.t() @ a, grad_b
 
@@ -139,7 +139,7 @@ def _forward_cuda(h, weight, bias):
     if not _use_triton(h):
         return gelu_linear_ref(h, weight, bias)
     with torch.cuda.device(h.device):
-        cfg = _gelu_linear_triton.forward_config(weight.shape[0], h.shape[1])
+        cfg = _gelu_gemm_triton.forward_config(weight.shape[0], h.shape[1])
         return triton_forward(h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), cfg)
 
 
@@ -160,7 +160,7 @@ def _backward_cuda(grad_out, h, weight, has_bias):
     if not _use_triton(h):
         return gelu_linear_backward_ref(grad_out, h, weight, has_bias)
     with torch.cuda.device(h.device):
-        cfg = _gelu_linear_triton.backward_config(weight.shape[0], h.shape[1])
+        cfg = _gelu_gemm_triton.backward_config(weight.shape[0], h.shape[1])
         return triton_backward(grad_out.contiguous(), h.contiguous(), weight.contiguous(), has_bias, cfg)
 
 
