@@ -50,6 +50,7 @@ __all__ = [
     "DWCONV_ENV",
     "DWCONV_KERNELS",
     "DWCONV_TILE_COLS",
+    "FORMULATIONS",
     "KERNELS",
     "KERNEL_ENV",
     "MERGE_ENV",
@@ -77,13 +78,15 @@ CLUSTER_CTAS = (0, 2, 4, 8)
 #: columns per thread.
 DWCONV_KERNELS = ("auto", "tile", "fused")
 DWCONV_TILE_COLS = (4, 8)
+#: The choices of the two formulation options (``merge``, ``mlp``): ``auto`` is the one measured faster.
+FORMULATIONS = ("auto", "separate", "fused")
 _CHOICES = {
     "backend": ("auto", "cuda", "reference"),
     "kernel": KERNELS,
     "dwconv": ("auto", "cuda", "cudnn"),
     "dwconv_kernel": DWCONV_KERNELS,
-    "merge": ("auto", "separate", "fused"),
-    "mlp": ("auto", "separate", "fused"),
+    "merge": FORMULATIONS,
+    "mlp": FORMULATIONS,
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV, "merge": MERGE_ENV, "mlp": MLP_ENV}
