@@ -30,6 +30,8 @@ The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.op
   ``torch.compile`` sees a plain convolution.
 * ``cuda``: the kernels for every K in {3, 5, 7}, and an error where they cannot run.
 * ``cudnn``: always ``F.conv2d`` (comparisons, debugging).
+* ``stencil``: :func:`stencil_conv2d`, K * K shifted multiply-adds in plain tensor ops that Inductor fuses with
+  their neighbours (measured slower than the kernels under ``torch.compile``; comparisons).
 
 The choice is made when the call is traced: under ``torch.compile``, set the option before compiling.
 
@@ -48,7 +50,15 @@ from gspn2.ops import options as _options
 from gspn2.ops._amp import autocast_enabled, cast_optional
 from gspn2.ops._checks import check_tensor, refuse_nested
 
-__all__ = ["AUTO_KERNEL_SIZES", "AUTO_VARIANT", "FAMILIES", "KERNEL_SIZES", "depthwise_conv2d", "kernel_available", "variant"]
+__all__ = [
+    "AUTO_KERNEL_SIZES",
+    "AUTO_VARIANT",
+    "FAMILIES",
+    "KERNEL_SIZES",
+    "depthwise_conv2d",
+    "kernel_available",
+    "variant",
+]
 
 #: Kernel sizes the CUDA kernel implements, from the extension (gspn2/csrc/dwconv.h); none without it ...
 KERNEL_SIZES = tuple(_cuda.limits()["dwconv_kernel_sizes"]) if _cuda.extension_available() else ()
@@ -168,6 +178,36 @@ def _conv_reference(x, weight, bias, add_input, silu, match_strides=True):
     if silu:
         y = F.silu(y)
     return _like(y, x) if match_strides else y
+
+
+def stencil_conv2d(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], add_input: bool = False, silu: bool = False
+) -> torch.Tensor:
+    """The depthwise convolution as K * K shifted multiply-adds of the zero-padded input, in plain tensor ops.
+
+    ``conv(x) + bias [+ x]`` accumulated in float32 (float64 for float64 input) with taps in that dtype, as
+    the CUDA kernels do, rounded to ``x``'s dtype, then SiLU if ``silu``. Under ``torch.compile`` Inductor
+    makes the forward one pointwise kernel with K * K masked loads per output and fuses it with its
+    neighbours; on gspn2_tiny that measured slower than the CUDA kernels (docs/benchmarks.md, "The
+    depthwise convolution as shifted multiply-adds"), so only the option ``dwconv="stencil"`` runs it.
+    Eagerly it materialises every shifted product (slow). Shapes as :func:`depthwise_conv2d`; returns
+    ``x``'s dtype.
+    """
+    C, H, W = x.shape[1], x.shape[2], x.shape[3]
+    K = weight.shape[-1]
+    P = K // 2
+    dt = torch.promote_types(x.dtype, torch.float32)  # float32 accumulation, float64 stays float64
+    taps = weight.reshape(C, K * K).to(dt)
+    xp = F.pad(x, (P, P, P, P))
+    acc = x.to(dt) if add_input else None
+    for i in range(K):
+        for j in range(K):
+            term = xp[:, :, i : i + H, j : j + W].to(dt) * taps[:, i * K + j].view(1, C, 1, 1)
+            acc = term if acc is None else acc + term
+    if bias is not None:
+        acc = acc + bias.to(dt).view(1, C, 1, 1)
+    y = acc.to(x.dtype)
+    return F.silu(y) if silu else y
 
 
 @torch.library.impl(_LIB, "depthwise_conv2d", "CompositeExplicitAutograd")
@@ -294,6 +334,9 @@ def depthwise_conv2d(
             y = x + depthwise_conv2d(cast, weight, bias)
             return F.silu(y) if silu else y
         x = cast
+    if x.is_cuda and _options.current().dwconv == "stencil":
+        _check(x, weight, bias)
+        return stencil_conv2d(x, weight, bias, add_input, silu)
     # The kernel's C++ implementation checks every argument (gspn2/csrc/dwconv.cpp); other paths check here.
     if not (x.is_cuda and isinstance(weight, torch.Tensor) and _use_kernel(x, weight)):
         _check(x, weight, bias)

@@ -17,7 +17,9 @@ environment         option                               values
                     the cluster kernels (benchmarks)
 ``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
                     convolution on CUDA tensors          than cuDNN: K = 3, 7), ``cuda`` (every K it
-                                                         supports, else an error), ``cudnn``
+                                                         supports, else an error), ``cudnn``,
+                                                         ``stencil`` (K * K shifted multiply-adds in
+                                                         plain ops, which Inductor fuses; slower)
 (none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_VARIANT``: the
                     kernels' backward                    backward and columns per kernel size), ``tile``
                                                          (input- and weight-gradient kernels), ``fused``
@@ -83,7 +85,7 @@ FORMULATIONS = ("auto", "separate", "fused")
 _CHOICES = {
     "backend": ("auto", "cuda", "reference"),
     "kernel": KERNELS,
-    "dwconv": ("auto", "cuda", "cudnn"),
+    "dwconv": ("auto", "cuda", "cudnn", "stencil"),
     "dwconv_kernel": DWCONV_KERNELS,
     "merge": FORMULATIONS,
     "mlp": FORMULATIONS,

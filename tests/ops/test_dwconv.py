@@ -160,6 +160,49 @@ def test_kernel_family_options_give_the_op_variant():
         options.set_options(dwconv_kernel="tiles")
 
 
+@pytest.mark.parametrize("K,add,silu,bias", [(3, True, False, True), (5, False, True, False), (7, False, True, True)])
+def test_stencil_matches_conv2d_and_gradcheck(K, add, silu, bias):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(3, 1, K, K, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True) if bias else None
+    torch.testing.assert_close(D.stencil_conv2d(x, w, b, add, silu), _reference(x, w, b, add, silu))
+    inputs = (x, w, b) if bias else (x, w)
+    assert torch.autograd.gradcheck(lambda *t: D.stencil_conv2d(t[0], t[1], t[2] if bias else None, add, silu), inputs)
+
+
+def test_stencil_accumulates_16bit_input_in_float32():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 9, 9).to(torch.bfloat16)
+    w, b = torch.randn(8, 1, 7, 7), torch.randn(8)
+    y = D.stencil_conv2d(x, w, b, add_input=True)
+    assert y.dtype == torch.bfloat16
+    exact = _reference(x.double(), w.double(), b.double(), True)
+    # One rounding to bfloat16 at the end: within half an ulp (2^-8 relative) of the float64 result.
+    assert ((y.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
+
+
+def test_stencil_traces_under_compile():
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 6, 7, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(4, 1, 3, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    fn = torch.compile(lambda t: D.stencil_conv2d(t, w, b, True, True).square().sum(), backend="aot_eager",
+                       fullgraph=True)
+    (g,) = torch.autograd.grad(fn(x), x)
+    (ref,) = torch.autograd.grad(_reference(x, w, b, True, True).square().sum(), x)
+    torch.testing.assert_close(g, ref)
+
+
+def test_stencil_option_routes_cuda_calls_only(monkeypatch):
+    options.set_options(dwconv="stencil")
+    x, w = torch.randn(1, 4, 5, 5, dtype=torch.float64), torch.randn(4, 1, 3, 3, dtype=torch.float64)
+    calls = []
+    monkeypatch.setattr(D, "stencil_conv2d", lambda *a: calls.append(a))
+    torch.testing.assert_close(depthwise_conv2d(x, w), _reference(x, w, None, False))  # CPU: the op (F.conv2d)
+    assert not calls
+    assert options.from_env({"GSPN2_DWCONV": "Stencil"}).dwconv == "stencil"
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 
@@ -295,3 +338,25 @@ def test_cuda_compile_fullgraph():
     (g,) = torch.autograd.grad(fn(x), x)
     (ref,) = torch.autograd.grad(depthwise_conv2d(x, w, b, True).float().square().sum(), x)
     torch.testing.assert_close(g, ref)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("K,add,silu", [(3, True, False), (7, False, True)])
+def test_cuda_stencil_under_inductor_error_no_larger_than_cudnn(K, add, silu):
+    x, w, b = _cuda_case(4, 48, 13, 14, K, torch.bfloat16)
+    gy = torch.randn_like(x)
+
+    def grads(fn, x, w, b):
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        y = fn(xs, ws, bs)
+        return (y, *torch.autograd.grad(y, (xs, ws, bs), gy.to(y.dtype)))
+
+    options.set_options(dwconv="stencil")
+    ours = grads(torch.compile(lambda *t: depthwise_conv2d(*t, add_input=add, silu=silu), fullgraph=True), x, w, b)
+    options.set_options(dwconv="cudnn")
+    cudnn = grads(lambda *t: depthwise_conv2d(*t, add_input=add, silu=silu), x, w, b)
+    exact = grads(lambda *t: _reference(*t, add, silu), x.double(), w.double(), b.double())
+    for o, c, e in zip(ours, cudnn, exact):
+        scale = e.abs().max()
+        assert (o.double() - e).abs().max() / scale <= 2 * (c.double() - e).abs().max() / scale + 1e-3
