@@ -181,7 +181,11 @@ def _conv_reference(x, weight, bias, add_input, silu, match_strides=True):
 
 
 def stencil_conv2d(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], add_input: bool = False, silu: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    add_input: bool = False,
+    silu: bool = False,
 ) -> torch.Tensor:
     """The depthwise convolution as K * K shifted multiply-adds of the zero-padded input, in plain tensor ops.
 

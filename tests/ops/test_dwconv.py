@@ -160,7 +160,9 @@ def test_kernel_family_options_give_the_op_variant():
         options.set_options(dwconv_kernel="tiles")
 
 
-@pytest.mark.parametrize("K,add,silu,bias", [(3, True, False, True), (5, False, True, False), (7, False, True, True)])
+@pytest.mark.parametrize(
+    "K,add,silu,bias", [(3, True, False, True), (5, False, True, False), (7, False, True, True)]
+)
 def test_stencil_matches_conv2d_and_gradcheck(K, add, silu, bias):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 6, 5, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_()
@@ -168,7 +170,10 @@ def test_stencil_matches_conv2d_and_gradcheck(K, add, silu, bias):
     b = torch.randn(3, dtype=torch.float64, requires_grad=True) if bias else None
     torch.testing.assert_close(D.stencil_conv2d(x, w, b, add, silu), _reference(x, w, b, add, silu))
     inputs = (x, w, b) if bias else (x, w)
-    assert torch.autograd.gradcheck(lambda *t: D.stencil_conv2d(t[0], t[1], t[2] if bias else None, add, silu), inputs)
+    def fn(*t):
+        return D.stencil_conv2d(t[0], t[1], t[2] if bias else None, add, silu)
+
+    assert torch.autograd.gradcheck(fn, inputs)
 
 
 def test_stencil_accumulates_16bit_input_in_float32():
@@ -198,7 +203,8 @@ def test_stencil_option_routes_cuda_calls_only(monkeypatch):
     x, w = torch.randn(1, 4, 5, 5, dtype=torch.float64), torch.randn(4, 1, 3, 3, dtype=torch.float64)
     calls = []
     monkeypatch.setattr(D, "stencil_conv2d", lambda *a: calls.append(a))
-    torch.testing.assert_close(depthwise_conv2d(x, w), _reference(x, w, None, False))  # CPU: the op (F.conv2d)
+    # CPU tensors: the op (F.conv2d), whatever the option
+    torch.testing.assert_close(depthwise_conv2d(x, w), _reference(x, w, None, False))
     assert not calls
     assert options.from_env({"GSPN2_DWCONV": "Stencil"}).dwconv == "stencil"
 
@@ -353,7 +359,8 @@ def test_cuda_stencil_under_inductor_error_no_larger_than_cudnn(K, add, silu):
         return (y, *torch.autograd.grad(y, (xs, ws, bs), gy.to(y.dtype)))
 
     options.set_options(dwconv="stencil")
-    ours = grads(torch.compile(lambda *t: depthwise_conv2d(*t, add_input=add, silu=silu), fullgraph=True), x, w, b)
+    compiled = torch.compile(lambda *t: depthwise_conv2d(*t, add_input=add, silu=silu), fullgraph=True)
+    ours = grads(compiled, x, w, b)
     options.set_options(dwconv="cudnn")
     cudnn = grads(lambda *t: depthwise_conv2d(*t, add_input=add, silu=silu), x, w, b)
     exact = grads(lambda *t: _reference(*t, add, silu), x.double(), w.double(), b.double())
