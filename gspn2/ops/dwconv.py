@@ -57,6 +57,7 @@ __all__ = [
     "KERNEL_SIZES",
     "depthwise_conv2d",
     "kernel_available",
+    "stencil_conv2d",
     "variant",
 ]
 
