@@ -69,6 +69,7 @@ def _extensions() -> tuple[list, dict]:
             os.path.join(CSRC, "propagate_cluster.cu"),
             os.path.join(CSRC, "dwconv.cpp"),
             os.path.join(CSRC, "dwconv_tile.cu"),
+            os.path.join(CSRC, "rows.cpp"),
         ],
         include_dirs=[os.path.abspath(CSRC)],
         extra_compile_args={

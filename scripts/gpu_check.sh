@@ -10,7 +10,7 @@
 # Stages:
 #   build         compile gspn2._C in place for this GPU's architecture (incremental) and import it
 #   test          pytest on the CUDA tests (tests/ops/test_cuda.py, test_build.py, test_dwconv.py, test_merge.py,
-#                 test_gelu_linear.py, test_op.py,
+#                 test_gelu_linear.py, test_op.py, tests/layers/test_pointwise.py,
 #                 tests/models/test_gspn2_cuda.py, tests/train/test_gpu_data_cuda.py, test_compile_modes_cuda.py)
 #   sanitize      compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py (op, cluster on sm_90,
 #                 dwconv); skipped when compute-sanitizer is not installed
@@ -161,7 +161,7 @@ stage_build() {
 stage_test() {
   run_stage test pytest_cuda.log "$PY" -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/ops/test_cuda.py tests/ops/test_build.py tests/ops/test_dwconv.py tests/ops/test_merge.py \
-    tests/ops/test_gelu_linear.py tests/ops/test_op.py \
+    tests/ops/test_gelu_linear.py tests/ops/test_op.py tests/layers/test_pointwise.py \
     tests/models/test_gspn2_cuda.py \
     tests/train/test_gpu_data_cuda.py tests/train/test_compile_modes_cuda.py
 }

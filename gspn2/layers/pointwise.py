@@ -11,6 +11,12 @@ in x out per pixel) are those of the convolution it replaces.
 ``linear(layer_norm(x) [* silu(z)])`` for training: they save their inputs
 only and recompute the cheap elementwise part in backward, instead of autograd keeping both the
 activation's input and output alive until backward.
+
+These and :func:`rows_linear` have two implementations of one function: autograd functions in Python,
+which ``torch.compile`` traces (Inductor fuses the elementwise work into its kernels), and the C++ ops
+``gspn2::rows_norm_linear``, ``gspn2::rows_linear`` and ``gspn2::rows_gelu_linear`` (``gspn2/csrc/rows.cpp``;
+the same ATen calls, so the same bits) whose forward and backward run without Python: an eager training
+step takes them when the extension is built (the option ``eager_autograd``, :mod:`gspn2.ops.options`).
 """
 
 # No ``from __future__ import annotations``: TorchScript reads the signatures of the ``torch.jit.unused``
@@ -24,13 +30,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
+from gspn2.ops import _cuda
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 from gspn2.ops import options as _options
 from gspn2.ops.gelu_gemm import gelu_linear as _gelu_linear_op
 
 __all__ = [
-    "ChunkedConv1x1", "Conv1x1", "NormParams", "from_rows", "gelu_linear", "norm_linear", "rows_linear", "to_rows"
+    "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows", "gelu_linear", "norm_linear",
+    "rows_linear", "to_rows",
 ]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
@@ -42,6 +50,21 @@ NormParams = Tuple[torch.Tensor, torch.Tensor, float]
 # (gspn2.layers._trace); a traced module of one's own that does records one node each.
 for _name in ("gelu_linear", "norm_linear", "rows_linear"):
     torch.fx.wrap(_name)
+
+
+# The C++ forms exist when the extension is built (and holds them: an extension built from older sources
+# does not).
+_CPP_OPS = _cuda.extension_available() and hasattr(torch.ops.gspn2, "rows_norm_linear")
+
+
+def cpp_ops_available() -> bool:
+    """Whether the C++ ops ``gspn2::rows_*`` are registered (the extension is built)."""
+    return _CPP_OPS
+
+
+def _use_cpp() -> bool:
+    """Whether this call takes the C++ op: built, allowed by the option, and not traced by Dynamo."""
+    return _CPP_OPS and _options.current().eager_autograd == "auto" and not torch.compiler.is_compiling()
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -143,17 +166,18 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     """``F.linear(F.gelu(h), weight, bias)`` that keeps only ``h`` for backward (not also ``gelu(h)``).
 
     Computed in ``h.dtype`` (under autocast ``h`` is already the autocast dtype): ``weight`` and ``bias``
-    are cast to it outside the autograd function, so their gradients reach the parameters through the
-    cast as they would through autocast. The option ``mlp`` (:mod:`gspn2.ops.options`, read when the call
+    are cast to it, and their gradients come back in their own dtypes, as they would through autocast.
+    Eagerly the C++ op ``gspn2::rows_gelu_linear`` computes it (module docstring). The option ``mlp`` (:mod:`gspn2.ops.options`, read when the call
     is traced) picks the formulation: ``fused``, the op :func:`gspn2.ops.gelu_linear` (GELU inside its
     GEMMs); ``auto`` / ``separate``, an autograd function of plain ops (GELU its own kernel).
 
     Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
     """
-    weight, bias = weight.to(h.dtype), _cast(bias, h.dtype)
     if _options.current().mlp == "fused":
-        return _gelu_linear_op(h, weight, bias)
-    return _GeluLinear.apply(h, weight, bias)
+        return _gelu_linear_op(h, weight.to(h.dtype), _cast(bias, h.dtype))
+    if _use_cpp():
+        return torch.ops.gspn2.rows_gelu_linear(h, weight, bias)
+    return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
 
 
 class _RowsLinear(torch.autograd.Function):
@@ -203,8 +227,8 @@ def rows_linear(
     saved tensors as the plain ops, fewer dispatcher calls in backward.
 
     Under autocast ``x``, ``weight`` and ``bias`` are cast to the autocast dtype (as ``F.linear`` would be)
-    and ``skip_scale`` to ``skip_input``'s dtype; the casts happen outside the autograd function, so the
-    parameters' gradients reach them through the casts as they would through autocast.
+    and ``skip_scale`` to ``skip_input``'s dtype; the gradients come back in each input's own dtype, as they
+    would through autocast's casts. Eagerly the C++ op ``gspn2::rows_linear`` computes it (module docstring).
 
     Shapes: ``x (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None, ``skip_input (N, out)`` and
     ``skip_scale (out,)`` (both or neither) ``-> (N, out)``.
@@ -213,6 +237,8 @@ def rows_linear(
         raise ValueError("rows_linear: `skip_input` and `skip_scale` go together (both or neither)")
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
+    if _use_cpp():
+        return torch.ops.gspn2.rows_linear(x, weight, bias, skip_input, skip_scale, dt)
     if skip_input is not None and skip_scale is not None:
         skip_scale = skip_scale.to(skip_input.dtype)
     return _RowsLinear.apply(x.to(dt), weight.to(dt), _cast(bias, dt), skip_input, skip_scale)
@@ -293,7 +319,8 @@ def norm_linear(
     saves the input only and recomputes the normalisation in backward. The norm runs in ``x.dtype`` (as
     :func:`~gspn2.layers.layer_norm_last_dim`), the gate and the GEMMs in the autocast dtype when
     autocast is on (as ``F.linear`` would), else in ``x.dtype``; each chunk is its own GEMM, so every
-    output is contiguous (as :class:`Conv1x1` with ``out_chunks``).
+    output is contiguous (as :class:`Conv1x1` with ``out_chunks``). Eagerly the C++ op
+    ``gspn2::rows_norm_linear`` computes it (module docstring).
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
     None, ``gate (N, C)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.
@@ -302,6 +329,8 @@ def norm_linear(
         raise ValueError(f"`chunks` must be a positive int dividing {weight.shape[0]} outputs, got {chunks!r}")
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
+    if _use_cpp():
+        return torch.ops.gspn2.rows_norm_linear(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt)
     outs = _NormLinear.apply(
         x,
         _cast(gate, dt),

@@ -1,7 +1,9 @@
 """gspn2's compiled extension (``gspn2._C``): the only module that imports it.
 
 Importing the extension registers, in C++, the CUDA implementations of the ``gspn2::`` ops and their
-autograd formulas for CUDA tensors (``gspn2/csrc/propagate.cpp``, ``gspn2/csrc/dwconv.cpp``). This module
+autograd formulas for CUDA tensors (``gspn2/csrc/propagate.cpp``, ``gspn2/csrc/dwconv.cpp``), and the
+device-generic C++ ops of the training formulation's GEMM chains (``gspn2/csrc/rows.cpp``, used by
+:mod:`gspn2.layers.pointwise`). This module
 also owns what Python knows of it: whether it was built, the build hint when it was not, the kernels'
 limits (read from the extension, never copied here) and the launch planner for benchmarks and tests.
 
@@ -98,7 +100,7 @@ def describe() -> str:
     built = "built" if _C is not None else "not built"
     return (
         f"gspn2 ops: backend={o.backend}, kernel={o.kernel}, dwconv={o.dwconv}, merge={o.merge}, mlp={o.mlp}, "
-        f"CUDA extension {built}"
+        f"eager_autograd={o.eager_autograd}, CUDA extension {built}"
     )
 
 

@@ -34,6 +34,11 @@ environment         option                               values
                     ``fc2(gelu(h))``                     before the fc2 GEMM (Inductor fuses it with its
                                                          neighbours); ``fused``: one
                                                          ``gspn2.ops.gelu_linear`` (GELU inside the GEMMs)
+``GSPN2_EAGER_``    ``eager_autograd``: the training     ``auto``: outside ``torch.compile``, the C++ ops
+``AUTOGRAD``        formulation's GEMM chains            ``gspn2::rows_*`` (their forward and backward
+                    (``gspn2.layers.norm_linear``,       without Python) when the extension is built;
+                    ``rows_linear``, ``gelu_linear``)    ``python``: the autograd functions in Python,
+                                                         the form ``torch.compile`` always traces
 ==================  ===================================  ================================================
 
 Values from the environment are case-insensitive; an unset or empty variable means ``auto``.
@@ -52,6 +57,7 @@ __all__ = [
     "DWCONV_ENV",
     "DWCONV_KERNELS",
     "DWCONV_TILE_COLS",
+    "EAGER_AUTOGRAD_ENV",
     "FORMULATIONS",
     "KERNELS",
     "KERNEL_ENV",
@@ -72,6 +78,7 @@ KERNEL_ENV = "GSPN2_KERNEL"
 DWCONV_ENV = "GSPN2_DWCONV"
 MERGE_ENV = "GSPN2_MERGE"
 MLP_ENV = "GSPN2_MLP"
+EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster")
@@ -89,9 +96,17 @@ _CHOICES = {
     "dwconv_kernel": DWCONV_KERNELS,
     "merge": FORMULATIONS,
     "mlp": FORMULATIONS,
+    "eager_autograd": ("auto", "python"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
-_ENV = {"backend": BACKEND_ENV, "kernel": KERNEL_ENV, "dwconv": DWCONV_ENV, "merge": MERGE_ENV, "mlp": MLP_ENV}
+_ENV = {
+    "backend": BACKEND_ENV,
+    "kernel": KERNEL_ENV,
+    "dwconv": DWCONV_ENV,
+    "merge": MERGE_ENV,
+    "mlp": MLP_ENV,
+    "eager_autograd": EAGER_AUTOGRAD_ENV,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +121,7 @@ class Options:
     dwconv_tile_cols: int = 4
     merge: str = "auto"
     mlp: str = "auto"
+    eager_autograd: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

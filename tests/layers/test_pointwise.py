@@ -1,4 +1,5 @@
-"""gspn2.layers.pointwise: the 1x1 convolutions as GEMMs and the activation-recomputing autograd functions."""
+"""gspn2.layers.pointwise: the 1x1 convolutions as GEMMs and the activation-recomputing autograd functions,
+in both implementations (the Python autograd functions and the C++ ops ``gspn2::rows_*``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gspn2.layers import ChunkedConv1x1, Conv1x1, gelu_linear, norm_linear, rows_linear
+from gspn2.layers import ChunkedConv1x1, Conv1x1, cpp_ops_available, gelu_linear, norm_linear, rows_linear
+from gspn2.ops import options
 
-def test_gelu_linear_gradcheck():
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+needs_cpp = pytest.mark.skipif(not cpp_ops_available(), reason="gspn2's extension (the C++ ops) is not built")
+
+
+@pytest.fixture(params=["cpp", "python"])
+def impl(request):
+    """The test runs with the C++ ops (``eager_autograd=auto``) and with the Python functions."""
+    if request.param == "cpp" and not cpp_ops_available():
+        pytest.skip("gspn2's extension (the C++ ops) is not built")
+    with options.override(eager_autograd="auto" if request.param == "cpp" else "python"):
+        yield request.param
+
+
+def test_gelu_linear_gradcheck(impl):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
@@ -19,7 +34,7 @@ def test_gelu_linear_gradcheck():
     torch.testing.assert_close(gelu_linear(h, w, b), expected)
 
 
-def test_norm_linear_gradcheck_and_values():
+def test_norm_linear_gradcheck_and_values(impl):
     """norm_linear = linear(layer_norm(x) [* silu(gate)]) in chunks: float64 gradients of every input
     (with and without gate and bias, one and two chunks), and, under bf16 autocast, bitwise the outputs
     and gradients of the unfused modules (norm in x's dtype, GEMMs in bf16)."""
@@ -76,7 +91,7 @@ def test_conv1x1_is_the_convolution():
     torch.testing.assert_close(single(x), F.conv2d(x, single.weight, single.bias))
 
 
-def test_rows_linear_gradcheck_and_values():
+def test_rows_linear_gradcheck_and_values(impl):
     """rows_linear = linear(x) [+ skip_input * skip_scale]: float64 gradients of every input, and under bf16
     autocast bitwise the outputs and gradients of F.linear followed by torch.addcmul."""
     g = torch.Generator().manual_seed(2)
@@ -102,3 +117,155 @@ def test_rows_linear_gradcheck_and_values():
     ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
     for got, want in zip(grads, ref_grads):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _leaf(t, requires_grad=True):
+    return t.detach().clone().requires_grad_(requires_grad)
+
+
+def _run(fn, inputs, cotangents, impl):
+    """Outputs and input gradients (None where an input needs none) of ``fn(*inputs)`` under bf16 autocast."""
+    with options.override(eager_autograd=impl):
+        leaves = [None if t is None else _leaf(t, t.requires_grad) for t in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = fn(*leaves)
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        torch.autograd.backward(outs, cotangents)
+    return [o.detach() for o in outs], [None if t is None else t.grad for t in leaves]
+
+
+def _assert_same(a, b):
+    (outs_a, grads_a), (outs_b, grads_b) = a, b
+    for x, y in zip(outs_a + grads_a, outs_b + grads_b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@needs_cpp
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("with_gate", [True, False])
+@pytest.mark.parametrize("frozen", [(), ("weight", "norm"), ("x",)])
+def test_cpp_ops_are_the_python_functions_bitwise(chunks, with_gate, frozen):
+    """The C++ ops and the Python autograd functions: the same output and gradient bits under bf16 autocast
+    (bf16 activations, float32 parameters), also where some inputs need no gradient."""
+    g = torch.Generator().manual_seed(3)
+    N, C, O = 48, 16, 24
+
+    def r(*shape, dtype=torch.float32, name=""):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(name not in frozen)
+
+    x = r(N, C, dtype=torch.bfloat16, name="x")
+    gate = r(N, C, dtype=torch.bfloat16) if with_gate else None
+    nw, nb = r(C, name="norm"), r(C, name="norm")
+    w, b = r(O, C, name="weight"), r(O)
+    cot = [torch.randn(N, O // chunks, generator=g, dtype=torch.bfloat16) for _ in range(chunks)]
+
+    def nl(x, gate, nw, nb, w, b):
+        return norm_linear(x, nw, nb, 1e-6, w, b, chunks, gate=gate)
+
+    _assert_same(_run(nl, (x, gate, nw, nb, w, b), cot, "auto"), _run(nl, (x, gate, nw, nb, w, b), cot, "python"))
+
+    xr, wr, br = r(N, O, name="x"), r(C, O, name="weight"), r(C)
+    skip, scale = r(N, C, dtype=torch.bfloat16), r(C)
+    cot1 = [torch.randn(N, C, generator=g, dtype=torch.bfloat16)]
+    args = (xr, wr, br, skip, scale) if with_gate else (xr, wr, None, None, None)
+    _assert_same(_run(rows_linear, args, cot1, "auto"), _run(rows_linear, args, cot1, "python"))
+
+    h = r(N, O, dtype=torch.bfloat16, name="x")
+    _assert_same(_run(gelu_linear, (h, wr, br), cot1, "auto"), _run(gelu_linear, (h, wr, br), cot1, "python"))
+
+
+@needs_cpp
+def test_cpp_ops_name_bad_arguments():
+    x, w = torch.randn(4, 6), torch.randn(6, 6)
+    with pytest.raises(ValueError, match="rows_norm_linear: `chunks` must be a positive int dividing 6"):
+        torch.ops.gspn2.rows_norm_linear(x, None, None, None, w, None, 1e-6, 4, torch.float32)
+    with pytest.raises(ValueError, match="rows_norm_linear: `gate` must have x's shape"):
+        torch.ops.gspn2.rows_norm_linear(x, torch.randn(4, 5), None, None, w, None, 1e-6, 1, torch.float32)
+    with pytest.raises(ValueError, match=r"rows_linear: `weight` must be \(out, 6\)"):
+        torch.ops.gspn2.rows_linear(x, torch.randn(3, 5), None, None, None, torch.float32)
+    with pytest.raises(ValueError, match="rows_linear: `skip_input` and `skip_scale` go together"):
+        torch.ops.gspn2.rows_linear(x, w, None, torch.randn(4, 6), None, torch.float32)
+    with pytest.raises(ValueError, match=r"rows_gelu_linear: `h` must be \(N, C\) rows"):
+        torch.ops.gspn2.rows_gelu_linear(torch.randn(2, 4, 6), w, None)
+
+
+@needs_cpp
+def test_compile_traces_the_python_functions():
+    """Under torch.compile the graph holds the Python functions' ATen ops (which Inductor fuses), never the
+    opaque C++ ops, whatever ``eager_autograd`` says; eagerly the C++ op runs."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x, nw, nb = torch.randn(8, 6, requires_grad=True), torch.ones(6), torch.zeros(6)
+    w, b = torch.randn(4, 6, requires_grad=True), torch.randn(4)
+
+    def fn(x, w):
+        return norm_linear(x, nw, nb, 1e-6, w, b)[0]
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=backend, fullgraph=True)(x, w)
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert graphs and not any("rows_norm_linear" in t for t in targets)
+    assert torch.equal(got, fn(x, w))
+    assert type(fn(x, w).grad_fn).__name__ == "CppFunction"  # the C++ autograd node (Python's: BackwardCFunction)
+    with options.override(eager_autograd="python"):
+        assert type(fn(x, w).grad_fn).__name__ != "CppFunction"
+
+
+@needs_cpp
+def test_model_training_step_is_bitwise_the_same_with_either_implementation():
+    """gspn2_micro's training forward and backward under bf16 autocast: the same loss and parameter
+    gradients with the C++ ops as with the Python functions."""
+    import timm
+
+    import gspn2  # noqa: F401  (registers the models)
+
+    torch.manual_seed(0)
+    model = timm.create_model("gspn2_micro", num_classes=5).train().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    y = torch.tensor([1, 3])
+    results = []
+    for impl in ("auto", "python"):
+        model.zero_grad(set_to_none=True)
+        with options.override(eager_autograd=impl):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+@cuda
+@pytest.mark.cuda
+@needs_cpp
+def test_cpp_ops_are_the_python_functions_bitwise_on_cuda():
+    """On CUDA tensors (cuBLAS GEMMs, CUDA norm kernels): the C++ ops give the Python functions' bits, with
+    gate and two chunks, under bf16 autocast."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    N, C, O = 256, 64, 96
+
+    def r(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=dtype).requires_grad_()
+
+    x, gate = r(N, C, dtype=torch.bfloat16), r(N, C, dtype=torch.bfloat16)
+    nw, nb, w, b = r(C), r(C), r(O, C), r(O)
+    cot = [torch.randn(N, O // 2, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+    def run(impl):
+        with options.override(eager_autograd=impl):
+            leaves = [_leaf(t) for t in (x, gate, nw, nb, w, b)]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                outs = norm_linear(leaves[0], leaves[2], leaves[3], 1e-6, leaves[4], leaves[5], 2, gate=leaves[1])
+            torch.autograd.backward(outs, cot)
+        return [o.detach() for o in outs], [t.grad for t in leaves]
+
+    _assert_same(run("auto"), run("python"))
