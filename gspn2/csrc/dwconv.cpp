@@ -16,11 +16,6 @@
 #include "dwconv.h"
 #include "message.h"
 
-#define GSPN2_DW_CHECK(cond, ...)                                                    \
-  do {                                                                               \
-    if (!(cond)) C10_THROW_ERROR(ValueError, gspn2::message("gspn2: ", __VA_ARGS__)); \
-  } while (0)
-
 namespace gspn2 {
 namespace {
 
@@ -46,26 +41,26 @@ at::Tensor nhwc(const at::Tensor& t) {
 // `kernel`: 0, the input-gradient and weight-gradient kernels, or 1, the one-pass backward; `cols`: output
 // columns per thread (dwconv.h).
 void check_variant(int64_t kernel, int64_t cols) {
-  GSPN2_DW_CHECK(kernel == 0 || kernel == 1, "`kernel` must be 0 or 1, got ", kernel);
-  GSPN2_DW_CHECK(cols == 4 || cols == 8, "`cols` must be 4 or 8, got ", cols);
+  GSPN2_CHECK(kernel == 0 || kernel == 1, "`kernel` must be 0 or 1, got ", kernel);
+  GSPN2_CHECK(cols == 4 || cols == 8, "`cols` must be 4 or 8, got ", cols);
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xname) {
-  GSPN2_DW_CHECK(x.layout() == at::kStrided && weight.layout() == at::kStrided && !x.is_nested(),
+  GSPN2_CHECK(x.layout() == at::kStrided && weight.layout() == at::kStrided && !x.is_nested(),
                  "`", xname, "` and `weight` must be dense (strided) tensors");
-  GSPN2_DW_CHECK(x.is_cuda(), "`", xname, "` must be a CUDA tensor, got ", x.device());
-  GSPN2_DW_CHECK(x.dim() == 4, "`", xname, "` must be (B, C, H, W), got ", x.sizes());
-  GSPN2_DW_CHECK(x.size(0) >= 1 && x.size(1) >= 1 && x.size(2) >= 1 && x.size(3) >= 1, "`", xname,
+  GSPN2_CHECK(x.is_cuda(), "`", xname, "` must be a CUDA tensor, got ", x.device());
+  GSPN2_CHECK(x.dim() == 4, "`", xname, "` must be (B, C, H, W), got ", x.sizes());
+  GSPN2_CHECK(x.size(0) >= 1 && x.size(1) >= 1 && x.size(2) >= 1 && x.size(3) >= 1, "`", xname,
                  "` must have no empty dimension, got ", x.sizes());
   const int64_t C = x.size(1);
-  GSPN2_DW_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3),
+  GSPN2_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3),
                  "`weight` must be (C, 1, K, K) with C = ", C, ", got ", weight.sizes());
-  GSPN2_DW_CHECK(dwconv_kernel_size_supported(int(weight.size(2))),
+  GSPN2_CHECK(dwconv_kernel_size_supported(int(weight.size(2))),
                  "`weight`: the depthwise convolution kernel takes K in {3, 5, 7}, got K = ", weight.size(2));
-  GSPN2_DW_CHECK(weight.is_floating_point(), "`weight` must be a floating-point tensor, got ", weight.scalar_type());
-  GSPN2_DW_CHECK(weight.device() == x.device(), "`weight` must be on ", x.device(), " like `", xname, "`, got ",
+  GSPN2_CHECK(weight.is_floating_point(), "`weight` must be a floating-point tensor, got ", weight.scalar_type());
+  GSPN2_CHECK(weight.device() == x.device(), "`weight` must be on ", x.device(), " like `", xname, "`, got ",
                  weight.device());
-  GSPN2_DW_CHECK(x.numel() < (int64_t(1) << 31) * 16, "`", xname, "` is too large: ", x.sizes());
+  GSPN2_CHECK(x.numel() < (int64_t(1) << 31) * 16, "`", xname, "` is too large: ", x.sizes());
 }
 
 // (C, 1, K, K) -> (C, K*K) float32: a view of a contiguous float32 weight.
@@ -95,7 +90,7 @@ void launch_forward(const at::Tensor& x, const at::Tensor& w, int K, const float
   p.cols = int(cols);
   p.stream = c10::cuda::getCurrentCUDAStream();
   const std::string err = dwconv_tile_forward_launch(p);
-  GSPN2_DW_CHECK(err.empty(), err);
+  GSPN2_CHECK(err.empty(), err);
 }
 
 at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -104,11 +99,11 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   check_common(x_, weight, "x");
   const int64_t C = x_.size(1);
   if (bias.has_value()) {
-    GSPN2_DW_CHECK(bias->layout() == at::kStrided, "`bias` must be a dense (strided) tensor");
-    GSPN2_DW_CHECK(bias->is_floating_point(), "`bias` must be a floating-point tensor, got ", bias->scalar_type());
-    GSPN2_DW_CHECK(bias->dim() == 1 && bias->size(0) == C, "`bias` must be (C,) with C = ", C, ", got ",
+    GSPN2_CHECK(bias->layout() == at::kStrided, "`bias` must be a dense (strided) tensor");
+    GSPN2_CHECK(bias->is_floating_point(), "`bias` must be a floating-point tensor, got ", bias->scalar_type());
+    GSPN2_CHECK(bias->dim() == 1 && bias->size(0) == C, "`bias` must be (C,) with C = ", C, ", got ",
                    bias->sizes());
-    GSPN2_DW_CHECK(bias->device() == x_.device(), "`bias` must be on ", x_.device(), ", got ", bias->device());
+    GSPN2_CHECK(bias->device() == x_.device(), "`bias` must be on ", x_.device(), ", got ", bias->device());
   }
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor x = nhwc(x_);
@@ -152,7 +147,7 @@ void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Ten
   p.dtype = dw_scalar_type(x.scalar_type());
   p.stream = c10::cuda::getCurrentCUDAStream();
   const std::string err = dwconv_tile_wgrad_launch(p);
-  GSPN2_DW_CHECK(err.empty(), err);
+  GSPN2_CHECK(err.empty(), err);
 }
 
 // grad_x (x's dtype, channels_last), grad_weight (C, 1, K, K) and grad_bias (C,) in float32: the one-pass
@@ -161,11 +156,11 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
                                             bool add_input, int kernel, int cols) {
   check_common(x_, weight, "x");
   check_common(grad_y_, weight, "grad_y");
-  GSPN2_DW_CHECK(grad_y_.sizes() == x_.sizes(), "`grad_y` must have x's shape ", x_.sizes(), ", got ",
+  GSPN2_CHECK(grad_y_.sizes() == x_.sizes(), "`grad_y` must have x's shape ", x_.sizes(), ", got ",
                  grad_y_.sizes());
-  GSPN2_DW_CHECK(grad_y_.scalar_type() == x_.scalar_type(), "`grad_y` must have x's dtype ", x_.scalar_type(),
+  GSPN2_CHECK(grad_y_.scalar_type() == x_.scalar_type(), "`grad_y` must have x's dtype ", x_.scalar_type(),
                  ", got ", grad_y_.scalar_type());
-  GSPN2_DW_CHECK(grad_y_.device() == x_.device(), "`grad_y` must be on ", x_.device(), ", got ", grad_y_.device());
+  GSPN2_CHECK(grad_y_.device() == x_.device(), "`grad_y` must be on ", x_.device(), ", got ", grad_y_.device());
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor gy = nhwc(grad_y_);
   at::Tensor grad_x = at::empty_like(gy, gy.options(), at::MemoryFormat::ChannelsLast), grad_w, grad_b;
@@ -217,7 +212,7 @@ class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    GSPN2_DW_CHECK(!ctx->saved_data["silu"].toBool(),
+    GSPN2_CHECK(!ctx->saved_data["silu"].toBool(),
                    "gspn2::depthwise_conv2d with `silu`=True has no backward; depthwise_conv2d(..., silu=True) applies "
                    "SiLU separately whenever autograd records");
     static const auto op = c10::Dispatcher::singleton()

@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
 
 #include <string>
 #include <type_traits>
@@ -42,3 +43,14 @@ std::string message(const Args&... args) {
 }
 
 }  // namespace gspn2
+
+// Input errors raise ValueError / TypeError in Python (c10::ValueError / c10::TypeError), with messages built
+// by message() above. They name the argument.
+#define GSPN2_CHECK(cond, ...)                                                      \
+  do {                                                                              \
+    if (!(cond)) C10_THROW_ERROR(ValueError, gspn2::message("gspn2: ", __VA_ARGS__)); \
+  } while (0)
+#define GSPN2_CHECK_TYPE(cond, ...)                                                \
+  do {                                                                             \
+    if (!(cond)) C10_THROW_ERROR(TypeError, gspn2::message("gspn2: ", __VA_ARGS__)); \
+  } while (0)

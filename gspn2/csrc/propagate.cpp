@@ -19,16 +19,6 @@
 #include "message.h"
 #include "propagate.h"
 
-// Input errors raise ValueError / TypeError in Python (c10::ValueError / c10::TypeError), with messages built
-// without iostreams (message.h). They name the argument.
-#define GSPN2_CHECK(cond, ...)                                                      \
-  do {                                                                              \
-    if (!(cond)) C10_THROW_ERROR(ValueError, gspn2::message("gspn2: ", __VA_ARGS__)); \
-  } while (0)
-#define GSPN2_CHECK_TYPE(cond, ...)                                                \
-  do {                                                                             \
-    if (!(cond)) C10_THROW_ERROR(TypeError, gspn2::message("gspn2: ", __VA_ARGS__)); \
-  } while (0)
 #define CHECK_CUDA(t) GSPN2_CHECK((t).is_cuda(), "`" #t "` must be a CUDA tensor, got ", (t).device())
 #define CHECK_SAME_DEVICE(t, ref) \
   GSPN2_CHECK((t).device() == (ref).device(), "`" #t "` must be on ", (ref).device(), " like `" #ref "`, got ", (t).device())

@@ -25,11 +25,6 @@
 
 #include "message.h"
 
-#define GSPN2_ROWS_CHECK(cond, ...)                                                  \
-  do {                                                                               \
-    if (!(cond)) C10_THROW_ERROR(ValueError, gspn2::message("gspn2: ", __VA_ARGS__)); \
-  } while (0)
-
 namespace gspn2 {
 namespace {
 
@@ -57,8 +52,8 @@ std::vector<bool> needs_grad(AutogradContext* ctx, const std::vector<bool>& defi
 }
 
 void check_rows(const char* op, const Tensor& x, const Tensor& weight, const char* xname) {
-  GSPN2_ROWS_CHECK(x.dim() == 2, op, ": `", xname, "` must be (N, C) rows, got ", x.sizes());
-  GSPN2_ROWS_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), op, ": `weight` must be (out, ", x.size(1),
+  GSPN2_CHECK(x.dim() == 2, op, ": `", xname, "` must be (N, C) rows, got ", x.sizes());
+  GSPN2_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), op, ": `weight` must be (out, ", x.size(1),
                    "), got ", weight.sizes());
 }
 
@@ -90,10 +85,10 @@ NormLinearForward norm_linear_math(const Tensor& x, const Tensor& gate, const Te
 
 void check_norm_linear(const Tensor& x, const Tensor& gate, const Tensor& weight, int64_t chunks) {
   check_rows("rows_norm_linear", x, weight, "x");
-  GSPN2_ROWS_CHECK(chunks >= 1 && weight.size(0) % chunks == 0,
+  GSPN2_CHECK(chunks >= 1 && weight.size(0) % chunks == 0,
                    "rows_norm_linear: `chunks` must be a positive int dividing ", weight.size(0), " outputs, got ",
                    chunks);
-  GSPN2_ROWS_CHECK(!gate.defined() || gate.sizes() == x.sizes(), "rows_norm_linear: `gate` must have x's shape ",
+  GSPN2_CHECK(!gate.defined() || gate.sizes() == x.sizes(), "rows_norm_linear: `gate` must have x's shape ",
                    x.sizes(), ", got ", gate.sizes());
 }
 
@@ -216,7 +211,7 @@ Tensor rows_linear_math(const Tensor& x, const Tensor& w, const Tensor& b, const
 
 void check_rows_linear(const Tensor& x, const Tensor& weight, const Tensor& skip_input, const Tensor& skip_scale) {
   check_rows("rows_linear", x, weight, "x");
-  GSPN2_ROWS_CHECK(skip_input.defined() == skip_scale.defined(),
+  GSPN2_CHECK(skip_input.defined() == skip_scale.defined(),
                    "rows_linear: `skip_input` and `skip_scale` go together (both or neither)");
 }
 
