@@ -35,7 +35,7 @@ else
         export TORCH_CUDA_ARCH_LIST
         jobs=${MAX_JOBS:-$(nproc)}
         n_arch=$(echo "$TORCH_CUDA_ARCH_LIST" | tr ';, ' '\n\n\n' | grep -c .)
-        echo "gspn2: compiling the CUDA extension (6 C++/CUDA files in gspn2/csrc) with $nvcc"
+        echo "gspn2: compiling the CUDA extension ($(ls gspn2/csrc/*.cpp gspn2/csrc/*.cu | wc -l) C++/CUDA files in gspn2/csrc) with $nvcc"
         echo "gspn2:   for compute capability $TORCH_CUDA_ARCH_LIST ($why), $jobs parallel job(s)"
         echo "gspn2:   this takes minutes: about 5-8 per architecture on 2 cores; progress below"
         log=.venv/gspn2-build.log
