@@ -167,9 +167,10 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
     Computed in ``h.dtype`` (under autocast ``h`` is already the autocast dtype): ``weight`` and ``bias``
     are cast to it, and their gradients come back in their own dtypes, as they would through autocast.
-    Eagerly the C++ op ``gspn2::rows_gelu_linear`` computes it (module docstring). The option ``mlp`` (:mod:`gspn2.ops.options`, read when the call
-    is traced) picks the formulation: ``fused``, the op :func:`gspn2.ops.gelu_linear` (GELU inside its
-    GEMMs); ``auto`` / ``separate``, an autograd function of plain ops (GELU its own kernel).
+    The option ``mlp`` (:mod:`gspn2.ops.options`, read when the call is traced) picks the formulation:
+    ``fused``, the op :func:`gspn2.ops.gelu_linear` (GELU inside its GEMMs); ``auto`` / ``separate``, an
+    autograd function of plain ops (GELU its own kernel), which eagerly is the C++ op
+    ``gspn2::rows_gelu_linear`` (module docstring).
 
     Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
     """
@@ -330,7 +331,9 @@ def norm_linear(
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
-        return torch.ops.gspn2.rows_norm_linear(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt)
+        return torch.ops.gspn2.rows_norm_linear(
+            x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt
+        )
     outs = _NormLinear.apply(
         x,
         _cast(gate, dt),

@@ -164,7 +164,8 @@ def test_cpp_ops_are_the_python_functions_bitwise(chunks, with_gate, frozen):
     def nl(x, gate, nw, nb, w, b):
         return norm_linear(x, nw, nb, 1e-6, w, b, chunks, gate=gate)
 
-    _assert_same(_run(nl, (x, gate, nw, nb, w, b), cot, "auto"), _run(nl, (x, gate, nw, nb, w, b), cot, "python"))
+    args = (x, gate, nw, nb, w, b)
+    _assert_same(_run(nl, args, cot, "auto"), _run(nl, args, cot, "python"))
 
     xr, wr, br = r(N, O, name="x"), r(C, O, name="weight"), r(C)
     skip, scale = r(N, C, dtype=torch.bfloat16), r(C)
@@ -212,7 +213,8 @@ def test_compile_traces_the_python_functions():
     targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert graphs and not any("rows_norm_linear" in t for t in targets)
     assert torch.equal(got, fn(x, w))
-    assert type(fn(x, w).grad_fn).__name__ == "CppFunction"  # the C++ autograd node (Python's: BackwardCFunction)
+    # The C++ autograd node; the Python function's is a BackwardCFunction.
+    assert type(fn(x, w).grad_fn).__name__ == "CppFunction"
     with options.override(eager_autograd="python"):
         assert type(fn(x, w).grad_fn).__name__ != "CppFunction"
 
@@ -263,8 +265,9 @@ def test_cpp_ops_are_the_python_functions_bitwise_on_cuda():
     def run(impl):
         with options.override(eager_autograd=impl):
             leaves = [_leaf(t) for t in (x, gate, nw, nb, w, b)]
+            lx, lgate, lnw, lnb, lw, lb = leaves
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                outs = norm_linear(leaves[0], leaves[2], leaves[3], 1e-6, leaves[4], leaves[5], 2, gate=leaves[1])
+                outs = norm_linear(lx, lnw, lnb, 1e-6, lw, lb, 2, gate=lgate)
             torch.autograd.backward(outs, cot)
         return [o.detach() for o in outs], [t.grad for t in leaves]
 
