@@ -434,28 +434,14 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
   store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw), acc_w, accb, partial, C, c0);
 }
 
-// The chunks' partial sums in chunk order: grad_w (C, K*K) and grad_b (C,). A thread per output, with
-// kReduceBatch loads in flight before their adds (in chunk order, so the same bits as one load per add):
-// the sum over a few hundred chunks is bound by load latency, not bandwidth.
-constexpr int kReduceBatch = 8;
-constexpr int kReduceThreads = 64;  // small CTAs: the 1.6k-50k outputs spread over more SMs
-
+// The chunks' partial sums in chunk order: grad_w (C, K*K) and grad_b (C,).
 __global__ void dwconv_tile_reduce_kernel(const float* __restrict__ partial, float* __restrict__ grad_w,
                                           float* __restrict__ grad_b, int chunks, int C, int KK) {
   const int64_t n = int64_t(KK + 1) * C;
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n) return;
-  const float* p = partial + e;
   float sum = 0.f;
-  int k = 0;
-  for (; k + kReduceBatch <= chunks; k += kReduceBatch) {
-    float v[kReduceBatch];
-#pragma unroll
-    for (int j = 0; j < kReduceBatch; ++j) v[j] = __ldg(p + int64_t(k + j) * n);
-#pragma unroll
-    for (int j = 0; j < kReduceBatch; ++j) sum += v[j];
-  }
-  for (; k < chunks; ++k) sum += __ldg(p + int64_t(k) * n);
+  for (int k = 0; k < chunks; ++k) sum += partial[int64_t(k) * n + e];
   const int tap = int(e / C), c = int(e % C);
   if (tap < KK) {
     grad_w[int64_t(c) * KK + tap] = sum;
@@ -570,9 +556,8 @@ struct TileWgradLauncher {
     } else {
       launch_tile_wgrad<T, K, CW>(p, q);
     }
-    dwconv_tile_reduce_kernel<<<unsigned(((p.K * p.K + 1) * int64_t(p.C) + kReduceThreads - 1) / kReduceThreads),
-                                kReduceThreads, 0, p.stream>>>(p.partial, p.grad_w, p.grad_b, q.chunks, p.C,
-                                                               p.K * p.K);
+    dwconv_tile_reduce_kernel<<<unsigned(((p.K * p.K + 1) * int64_t(p.C) + 255) / 256), 256, 0, p.stream>>>(
+        p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K);
     return "";
   }
 };
