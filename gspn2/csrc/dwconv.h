@@ -66,6 +66,18 @@ constexpr int kTileRows = 4;        // output rows per thread
 constexpr int kTileMaxWarps = 8;    // warp tiles per CTA
 constexpr int kTileWgradCtas = 1024;  // the weight gradient's target CTA count
 constexpr int kTileSmemBudget = 96 * 1024;  // bytes per CTA the plan stays within
+// Dynamic shared memory of every tile kernel: the two staging buffers' mbarriers (kTileBarBytes), the taps
+// where the kernel has them (a multiple of 128 bytes), then the buffers, each staged tensor rounded up to 128
+// bytes so that every one starts where TMA may write (with 4-row warp tiles and odd K the pixel counts are
+// even, so the rounding adds nothing for 16-bit or float32 elements; it keeps the layout valid if that
+// changes).
+constexpr int kTileBarBytes = 128;
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    constexpr int tile_smem_round(int bytes) {
+  return (bytes + 127) / 128 * 128;
+}
 struct DwTilePlan {
   int rows = kTileRows, cols = 4;  // output pixels per thread
   int sub_h = 1, sub_w = 1;        // warp tiles per CTA

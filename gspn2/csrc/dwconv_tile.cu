@@ -1,8 +1,11 @@
 // Depthwise convolution: the shared-memory tile kernels (dwconv.h). A CTA owns kTileLanes channels
 // (lane = channel) of one spatial tile of sub_h x sub_w warp tiles; each thread computes kTileRows x CW output
-// pixels of its channel. The tile's input and its halo are copied into shared memory in the tensor's dtype by
-// cp.async (16-byte copies that skip registers; zero-filled outside the image), laid out [pixel][lane], so a
-// warp reads one pixel's 32 channels (64 or 128 contiguous bytes, no bank conflict) per load. Each thread
+// pixels of its channel. The tile's input and its halo are copied into shared memory in the tensor's dtype,
+// laid out [pixel][lane], so a warp reads one pixel's 32 channels (64 or 128 contiguous bytes, no bank
+// conflict) per load: on sm_90 as one TMA box per staged tensor and tile (one thread issues it; zeros outside
+// the image and past channel C come from the copy engine; completion counted on an mbarrier per buffer),
+// elsewhere, or where C is not a multiple of the 16-byte vector, by every thread's cp.async (16-byte copies
+// that skip registers) or element copies. Each thread
 // reads its channel's K * K taps (forward, input gradient) or keeps K * K partial sums (weight gradient) in
 // float32 and slides over its (kTileRows + K - 1) x (CW + K - 1) input window once, so every staged input
 // feeds all the outputs (or taps) it contributes to: K * K FMAs per output for
@@ -22,6 +25,7 @@
 #include <cuda_fp16.h>
 
 #include "dwconv.h"
+#include "tma.cuh"
 
 namespace gspn2 {
 namespace {
@@ -125,14 +129,14 @@ struct TileGeometry {
   int th, tw;     // tile size in output pixels
 };
 
-// Tile indices are 32-bit (the host checks the count): two 32-bit divisions per tile.
-__device__ __forceinline__ TileGeometry tile_geometry(int tile, int tiles_h, int tiles_w, int sub_h, int sub_w,
-                                                      int R, int CW) {
+// Tile indices are 32-bit (the host checks the count); tiles_h and tiles_w divide by multiplication.
+__device__ __forceinline__ TileGeometry tile_geometry(int tile, const FastDiv& tiles_h, const FastDiv& tiles_w,
+                                                      int sub_h, int sub_w, int R, int CW) {
   TileGeometry g;
-  const int rest = tile / tiles_w;
-  const int tx = tile - rest * tiles_w;
-  g.b = rest / tiles_h;
-  const int ty = rest - g.b * tiles_h;
+  const int rest = tiles_w.div(tile);
+  const int tx = tile - rest * int(tiles_w.d);
+  g.b = tiles_h.div(rest);
+  const int ty = rest - g.b * int(tiles_h.d);
   g.th = sub_h * R;
   g.tw = sub_w * CW;
   g.h0 = ty * g.th;
@@ -225,24 +229,68 @@ __device__ __forceinline__ void for_each_output(T* __restrict__ base, int hb, in
 
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
+// TMA staging (sm_90): thread 0 starts one tile's copies into a buffer, expecting `bytes` on the buffer's
+// mbarrier (the fence orders the CTA's earlier reads of that buffer, ended at a barrier, before the copies),
+// then one box per staged tensor: 32 channels from c0 by the box's columns and rows from (w0, h0) of image b.
+__device__ __forceinline__ void tma_begin(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  tma::fence_proxy_async();
+  tma::mbar_expect_tx(bar, bytes);
+#else
+  __trap();  // the host asks for TMA only where the kernel was compiled for sm_90 or later
+#endif
+}
+__device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int w0, int h0, int b,
+                                        uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  tma::load_4d(dst, map, c0, w0, h0, b, bar);
+#endif
+}
+// The two buffers' mbarriers (at the start of dynamic shared memory), set up by thread 0; visible to the CTA
+// after its next __syncthreads.
+__device__ __forceinline__ void tma_init(uint64_t* bars) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) {
+    tma::mbar_init(&bars[0], 1);
+    tma::mbar_init(&bars[1], 1);
+    tma::mbar_init_fence();
+  }
+#endif
+}
+__device__ __forceinline__ void tma_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  tma::mbar_wait(bar, parity);
+#endif
+}
+
 // Runs a CTA's tiles first, first + step, ... (below end) with two staging buffers: stage(t, buffer) starts
 // the copies of tile t; compute(t, buffer) runs once they are complete. The copies of the next tile are in
-// flight while the current one is computed.
+// flight while the current one is computed. `bars`: the buffers' mbarriers where TMA stages the tiles (the
+// caller has initialised them and passed a __syncthreads since), or null for cp.async and element copies.
 template <typename Stage, typename Compute>
-__device__ __forceinline__ void pipeline_tiles(int first, int end, int step, Stage&& stage, Compute&& compute) {
+__device__ __forceinline__ void pipeline_tiles(int first, int end, int step, uint64_t* bars, Stage&& stage,
+                                               Compute&& compute) {
   if (first >= end) return;
   stage(first, 0);
-  cp_async_commit();
+  if (bars == nullptr) cp_async_commit();
   int buf = 0;
+  uint32_t parity = 0;  // bit b: the parity of the phase of bars[b] to wait for next
   for (int t = first; t < end; t += step, buf ^= 1) {
     if (t + step < end) {
       stage(t + step, buf ^ 1);  // that buffer's last reads (two tiles back) ended at the barrier below
-      cp_async_commit();
-      cp_async_wait<1>();        // tile t's copies are done, the next tile's may still run
-    } else {
+      if (bars == nullptr) {
+        cp_async_commit();
+        cp_async_wait<1>();  // tile t's copies are done, the next tile's may still run
+      }
+    } else if (bars == nullptr) {
       cp_async_wait<0>();
     }
-    __syncthreads();  // every thread's copies (and element stores) of tile t are visible
+    if (bars != nullptr) {
+      tma_wait(&bars[buf], (parity >> buf) & 1u);  // tile t's boxes have landed
+      parity ^= 1u << buf;
+    } else {
+      __syncthreads();  // every thread's copies (and element stores) of tile t are visible
+    }
     compute(t, buf);
     __syncthreads();  // tile t's buffer is free for the tile after next
   }
@@ -251,44 +299,63 @@ __device__ __forceinline__ void pipeline_tiles(int first, int end, int step, Sta
 // The weight-gradient kernels' split: CTA blockIdx.x takes tiles_per_chunk consecutive tiles (fewer in the
 // last chunk), a split that fixes the summation order.
 template <typename Stage, typename Compute>
-__device__ __forceinline__ void pipeline_chunk(int tiles, int tiles_per_chunk, Stage&& stage, Compute&& compute) {
+__device__ __forceinline__ void pipeline_chunk(int tiles, int tiles_per_chunk, uint64_t* bars, Stage&& stage,
+                                               Compute&& compute) {
   const int first = int(blockIdx.x) * tiles_per_chunk;
-  pipeline_tiles(first, min(first + tiles_per_chunk, tiles), 1, stage, compute);
+  pipeline_tiles(first, min(first + tiles_per_chunk, tiles), 1, bars, stage, compute);
+}
+
+// Elements of T in a staged tensor of `pixels` pixels, rounded up to the 128-byte boundary of the next.
+template <typename T>
+__device__ __forceinline__ int staged_elems(int pixels) {
+  return tile_smem_round(pixels * kTileLanes * int(sizeof(T))) / int(sizeof(T));
 }
 
 // Forward and input gradient: y = conv(x) (+ bias) (+ x, `add_input`, read from the staged tile) (then
 // SiLU); the input gradient is the convolution of grad_y with the flipped taps (`flip`), plus grad_y for
 // x + conv(x). Persistent CTAs: CTA i of a channel block computes tiles i, i + gridDim.x, ... (the grid is
-// what fits on the GPU at once), staging the taps once and each tile's input double-buffered.
+// what fits on the GPU at once), staging the taps once and each tile's input double-buffered (`tma`: by the
+// box of `tm_x`, (th + K - 1) x (tw + K - 1) pixels).
 // Four CTAs of 8 warps per SM (at most 64 registers) with 4 columns per thread, two with 8.
 template <typename T, int K, int CW>
 __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, CW == 4 ? 4 : 2) dwconv_tile_forward_kernel(
     const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, T* __restrict__ y,
-    int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, int tiles, bool flip, bool add_input,
-    bool silu_out, bool vec) {
+    int H, int W, int C, FastDiv tiles_h, FastDiv tiles_w, int sub_h, int sub_w, int tiles, bool flip,
+    bool add_input, bool silu_out, bool vec, const __grid_constant__ CUtensorMap tm_x, bool tma) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* s_w = reinterpret_cast<float*>(smem_raw);  // [lane][tap]: KK odd, no bank conflicts
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem_raw);
+  float* s_w = reinterpret_cast<float*>(smem_raw + kTileBarBytes);  // [lane][tap]: KK odd, no bank conflicts
   // Two buffers of [pixel][lane] after the taps (offsets, not a pointer array: the loads stay shared-memory
   // loads).
-  T* const s_buf = reinterpret_cast<T*>(smem_raw + kTileLanes * KK * sizeof(float));
+  T* const s_buf = reinterpret_cast<T*>(smem_raw + kTileBarBytes + kTileLanes * KK * sizeof(float));
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
   const int c0 = blockIdx.y * kTileLanes, c = c0 + lane;
   const int th = sub_h * R, tw = sub_w * CW, rows = th + K - 1, cols = tw + K - 1;
-  const int elems = rows * cols * kTileLanes;
+  const int elems = staged_elems<T>(rows * cols);
   const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;  // the warp tile in the CTA tile
   const int s_off = (sr * cols + sc) * kTileLanes + lane;
+  const uint32_t box_bytes = uint32_t(rows * cols * kTileLanes * sizeof(T));
 
-  stage_taps<KK>(s_w, weight, c0, C, flip);  // visible after the pipeline's first barrier
+  stage_taps<KK>(s_w, weight, c0, C, flip);
+  if (tma) tma_init(bars);
+  __syncthreads();  // the taps and the mbarriers
   const float* const s_taps = s_w + lane * KK;
   const float bv = (bias != nullptr && c < C) ? bias[c] : 0.f;
 
   pipeline_tiles(
-      int(blockIdx.x), tiles, int(gridDim.x),
+      int(blockIdx.x), tiles, int(gridDim.x), tma ? bars : nullptr,
       [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
-        stage_tile<T>(s_buf + b * elems, x + int64_t(g.b) * H * W * C, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0,
-                      vec);
+        if (tma) {
+          if (threadIdx.x == 0) {
+            tma_begin(&bars[b], box_bytes);
+            tma_box(s_buf + b * elems, &tm_x, c0, g.w0 - P, g.h0 - P, g.b, &bars[b]);
+          }
+        } else {
+          stage_tile<T>(s_buf + b * elems, x + int64_t(g.b) * H * W * C, g.h0 - P, g.w0 - P, rows, cols, H, W, C,
+                        c0, vec);
+        }
       },
       [&](int t, int b) {
         float acc[R][CW];
@@ -311,37 +378,51 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, CW == 4 ? 4 : 2) d
 
 // Weight and bias gradients: each CTA sums grad_y (x) shifted x over its chunk of tiles for its 32 channels,
 // one thread per (channel, warp tile) holding the K * K tap sums; the warps' sums are added in a fixed order
-// into partial[chunk][tap][c] (tap K * K: the bias). The 7x7 with 4 columns fits 80 registers, so three
-// CTAs of 8 warps share an SM.
+// into partial[chunk][tap][c] (tap K * K: the bias). `tma`: x staged by the box of `tm_x` (with the halo),
+// grad_y by that of `tm_g` (th x tw). The 7x7 with 4 columns fits 80 registers, so three CTAs of 8 warps
+// share an SM.
 template <typename T, int K, int CW>
 __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, K == 7 && CW == 4 ? 3 : 1) dwconv_tile_wgrad_kernel(
     const T* __restrict__ gy, const T* __restrict__ x, float* __restrict__ partial, int H, int W, int C,
-    int tiles_h, int tiles_w, int sub_h, int sub_w, int tiles, int tiles_per_chunk, bool vec) {
+    FastDiv tiles_h, FastDiv tiles_w, int sub_h, int sub_w, int tiles, int tiles_per_chunk, bool vec,
+    const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_g, bool tma) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem_raw);
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
   const int c0 = blockIdx.y * kTileLanes;
   const int th = sub_h * R, tw = sub_w * CW, cols = tw + K - 1;
-  const int x_elems = (th + K - 1) * cols * kTileLanes, g_elems = th * tw * kTileLanes;
+  const int x_elems = staged_elems<T>((th + K - 1) * cols), g_elems = staged_elems<T>(th * tw);
   // Two buffers of [x with its halo: (th + K - 1) * cols pixels][lane], then [grad_y: th * tw pixels][lane]
-  // (offsets from smem_raw, not a pointer array: the loads stay shared-memory loads).
-  T* const s_buf = reinterpret_cast<T*>(smem_raw);
+  // (offsets from the buffers' start, not a pointer array: the loads stay shared-memory loads).
+  T* const s_buf = reinterpret_cast<T*>(smem_raw + kTileBarBytes);
   const int buf_elems = x_elems + g_elems;
   const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;
+  const uint32_t box_bytes = uint32_t(((th + K - 1) * cols + th * tw) * kTileLanes * sizeof(T));
 
   float acc[KK];
 #pragma unroll
   for (int t = 0; t < KK; ++t) acc[t] = 0.f;
   float accb = 0.f;
+  if (tma) tma_init(bars);
+  __syncthreads();
 
   pipeline_chunk(
-      tiles, tiles_per_chunk,
+      tiles, tiles_per_chunk, tma ? bars : nullptr,
       [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
-        const int64_t img = int64_t(g.b) * H * W * C;
         T* const sx = s_buf + b * buf_elems;
-        stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, th + K - 1, cols, H, W, C, c0, vec);
-        stage_tile<T>(sx + x_elems, gy + img, g.h0, g.w0, th, tw, H, W, C, c0, vec);
+        if (tma) {
+          if (threadIdx.x == 0) {
+            tma_begin(&bars[b], box_bytes);
+            tma_box(sx, &tm_x, c0, g.w0 - P, g.h0 - P, g.b, &bars[b]);
+            tma_box(sx + x_elems, &tm_g, c0, g.w0, g.h0, g.b, &bars[b]);
+          }
+        } else {
+          const int64_t img = int64_t(g.b) * H * W * C;
+          stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, th + K - 1, cols, H, W, C, c0, vec);
+          stage_tile<T>(sx + x_elems, gy + img, g.h0, g.w0, th, tw, H, W, C, c0, vec);
+        }
       },
       [&](int, int b) {
         const T* const sx = s_buf + b * buf_elems;
@@ -357,32 +438,37 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, K == 7 && CW == 4 
         accumulate_taps<K, R, CW>(acc, gv, sx + (sr * cols + sc) * kTileLanes + lane, cols);
       });
 
-  store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw), acc, accb, partial, C, c0);
+  store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw + kTileBarBytes), acc, accb, partial, C, c0);
 }
 
 // The whole backward in one pass: the weight and bias gradients as dwconv_tile_wgrad_kernel, and each tile's
 // input gradient (grad_y convolved with the flipped taps, plus grad_y with `add_input`) on the way. grad_y is
-// staged once with its halo for both, so the pass reads grad_y and x once and writes grad_x once.
+// staged once with its halo for both, so the pass reads grad_y and x once and writes grad_x once (`tma`: by
+// the boxes of `tm_x` and `tm_g`, both with the halo).
 template <typename T, int K, int CW>
 __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backward_kernel(
     const T* __restrict__ gy, const T* __restrict__ x, const float* __restrict__ weight, T* __restrict__ gx,
-    float* __restrict__ partial, int H, int W, int C, int tiles_h, int tiles_w, int sub_h, int sub_w, int tiles,
-    int tiles_per_chunk, bool add_input, bool vec) {
+    float* __restrict__ partial, int H, int W, int C, FastDiv tiles_h, FastDiv tiles_w, int sub_h, int sub_w,
+    int tiles, int tiles_per_chunk, bool add_input, bool vec, const __grid_constant__ CUtensorMap tm_x,
+    const __grid_constant__ CUtensorMap tm_g, bool tma) {
   constexpr int R = kTileRows, P = K / 2, KK = K * K;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem_raw);
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
   const int c0 = blockIdx.y * kTileLanes, c = c0 + lane;
   const int th = sub_h * R, tw = sub_w * CW, rows = th + K - 1, cols = tw + K - 1;
-  const int elems = rows * cols * kTileLanes;  // one staged tensor with its halo
-  float* s_w = reinterpret_cast<float*>(smem_raw);  // [lane][tap], flipped
+  const int elems = staged_elems<T>(rows * cols);  // one staged tensor with its halo
+  float* s_w = reinterpret_cast<float*>(smem_raw + kTileBarBytes);  // [lane][tap], flipped
   // Two buffers of [x with its halo][lane], then [grad_y with its halo][lane], after the taps (offsets, not a
   // pointer array: the loads stay shared-memory loads).
-  T* const s_buf = reinterpret_cast<T*>(smem_raw + kTileLanes * KK * sizeof(float));
+  T* const s_buf = reinterpret_cast<T*>(smem_raw + kTileBarBytes + kTileLanes * KK * sizeof(float));
   const int sr = (warp / sub_w) * R, sc = (warp % sub_w) * CW;
   const int s_off = (sr * cols + sc) * kTileLanes + lane;
+  const uint32_t box_bytes = uint32_t(2 * rows * cols * kTileLanes * sizeof(T));
 
   // The flipped taps of this thread's channel, through shared memory (coalesced reads of the weight).
   stage_taps<KK>(s_w, weight, c0, C, true);
+  if (tma) tma_init(bars);
   __syncthreads();
   float wr[KK];
 #pragma unroll
@@ -394,13 +480,21 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
   float accb = 0.f;
 
   pipeline_chunk(
-      tiles, tiles_per_chunk,
+      tiles, tiles_per_chunk, tma ? bars : nullptr,
       [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
-        const int64_t img = int64_t(g.b) * H * W * C;
         T* const sx = s_buf + b * 2 * elems;
-        stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
-        stage_tile<T>(sx + elems, gy + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
+        if (tma) {
+          if (threadIdx.x == 0) {
+            tma_begin(&bars[b], box_bytes);
+            tma_box(sx, &tm_x, c0, g.w0 - P, g.h0 - P, g.b, &bars[b]);
+            tma_box(sx + elems, &tm_g, c0, g.w0 - P, g.h0 - P, g.b, &bars[b]);
+          }
+        } else {
+          const int64_t img = int64_t(g.b) * H * W * C;
+          stage_tile<T>(sx, x + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
+          stage_tile<T>(sx + elems, gy + img, g.h0 - P, g.w0 - P, rows, cols, H, W, C, c0, vec);
+        }
       },
       [&](int t, int b) {
         const TileGeometry g = tile_geometry(t, tiles_h, tiles_w, sub_h, sub_w, R, CW);
@@ -431,7 +525,7 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
         accumulate_taps<K, R, CW>(acc_w, gv, sx, cols);
       });
 
-  store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw), acc_w, accb, partial, C, c0);
+  store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw + kTileBarBytes), acc_w, accb, partial, C, c0);
 }
 
 // The chunks' partial sums in chunk order: grad_w (C, K*K) and grad_b (C,).
@@ -484,39 +578,129 @@ int resident_ctas(Kernel kernel, int threads, int smem) {
 
 bool tile_vec_ok(int C, ScalarType dtype) { return C % (16 / element_size(dtype)) == 0; }
 
+// Whether `kernel` stages its tiles by TMA on the current device: its code was compiled for sm_90 or later
+// (the PTX version the driver picked for this device, asked once per kernel and device) and the driver
+// encodes tensor maps.
+template <typename Tag, typename Kernel>
+bool kernel_has_tma(Kernel kernel) {
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(dev);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attr{};
+  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90 &&
+                  tma::encoder() != nullptr;
+  cudaGetLastError();  // a failed query leaves no error behind: the kernels then copy without TMA
+  known.emplace(dev, ok);
+  return ok;
+}
+
+// The staging of one launch: by TMA (`on`, with the maps of the staged tensors) where the kernel has it, the
+// channels fill whole 16-byte vectors (which also makes every stride a multiple of 16 bytes) and the tensor's
+// strides fit the map; otherwise by cp.async or element copies (`vec`).
+struct TileStaging {
+  bool vec = false, on = false;
+  CUtensorMap a{}, b{};
+};
+
+// A (C, W, H, B) map of a channels-last tensor with boxes of 32 channels x box_cols x box_rows pixels of one
+// image; zeros outside. "" or the error.
+std::string encode_tile_box(CUtensorMap* map, const void* ptr, ScalarType dtype, int B, int H, int W, int C,
+                            int box_cols, int box_rows) {
+  const cuuint64_t es = cuuint64_t(element_size(dtype));
+  const cuuint64_t dims[4] = {cuuint64_t(C), cuuint64_t(W), cuuint64_t(H), cuuint64_t(B)};
+  const cuuint64_t strides[3] = {C * es, cuuint64_t(W) * C * es, cuuint64_t(H) * W * C * es};
+  const cuuint32_t box[4] = {cuuint32_t(kTileLanes), cuuint32_t(box_cols), cuuint32_t(box_rows), 1};
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = dtype == ScalarType::Float  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : dtype == ScalarType::Half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const cudaError_t bound = tma::bind_context();
+  if (bound != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(bound);
+  const CUresult r = tma::encoder()(map, type, 4, const_cast<void*>(ptr), dims, strides, box, estr,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r == CUDA_SUCCESS) return "";
+  return "gspn2: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) +
+         ") for the depthwise tile kernels' box of 32 x " + std::to_string(box_cols) + " x " +
+         std::to_string(box_rows) + " on a (" + std::to_string(B) + ", " + std::to_string(H) + ", " +
+         std::to_string(W) + ", " + std::to_string(C) + ") channels-last tensor";
+}
+
+// Staging for tensors a (box a_cols x a_rows) and, where b is not null, b (b_cols x b_rows), all (B, H, W, C).
+template <typename Tag, typename Kernel>
+std::string tile_staging(TileStaging* s, Kernel kernel, ScalarType dtype, int B, int H, int W, int C, const void* a,
+                         int a_cols, int a_rows, const void* b = nullptr, int b_cols = 0, int b_rows = 0) {
+  s->vec = tile_vec_ok(C, dtype);
+  const bool fits = (int64_t(H) * W * C * element_size(dtype)) < (int64_t(1) << 40);
+  s->on = s->vec && fits && kernel_has_tma<Tag>(kernel);
+  if (!s->on) return "";
+  std::string err = encode_tile_box(&s->a, a, dtype, B, H, W, C, a_cols, a_rows);
+  if (err.empty() && b != nullptr) err = encode_tile_box(&s->b, b, dtype, B, H, W, C, b_cols, b_rows);
+  return err;
+}
+
+FastDiv fast_div(int d) {
+  FastDiv f;
+  f.init(uint32_t(d));
+  return f;
+}
+
 template <typename T, int K, int CW>
-void launch_tile_forward(const DwConvForwardParams& p, const DwTilePlan& q) {
+std::string launch_tile_forward(const DwConvForwardParams& p, const DwTilePlan& q) {
+  using Tag = TileKernelTag<T, K, CW, 0>;
   auto kernel = dwconv_tile_forward_kernel<T, K, CW>;
-  allow_smem<TileKernelTag<T, K, CW, 0>>(kernel, q.smem_forward);
+  allow_smem<Tag>(kernel, q.smem_forward);
+  const int th = q.sub_h * q.rows, tw = q.sub_w * q.cols;
+  TileStaging s;
+  const std::string err = tile_staging<Tag>(&s, kernel, p.dtype, p.B, p.H, p.W, p.C, p.x, tw + p.K - 1, th + p.K - 1);
+  if (!err.empty()) return err;
   const int threads = kTileLanes * q.sub_h * q.sub_w;
   // As many CTAs as fit at once, spread over the channel blocks; each loops over its share of the tiles.
-  const int per_block = std::max(1, resident_ctas<TileKernelTag<T, K, CW, 0>>(kernel, threads, q.smem_forward) /
-                                        q.channel_blocks);
+  const int per_block = std::max(1, resident_ctas<Tag>(kernel, threads, q.smem_forward) / q.channel_blocks);
   const dim3 grid(unsigned(std::min<int64_t>(q.tiles, per_block)), unsigned(q.channel_blocks));
   kernel<<<grid, threads, q.smem_forward, p.stream>>>(
-      static_cast<const T*>(p.x), p.weight, p.bias, static_cast<T*>(p.y), p.H, p.W, p.C, q.tiles_h, q.tiles_w,
-      q.sub_h, q.sub_w, int(q.tiles), p.flip, p.add_input, p.silu, tile_vec_ok(p.C, p.dtype));
+      static_cast<const T*>(p.x), p.weight, p.bias, static_cast<T*>(p.y), p.H, p.W, p.C, fast_div(q.tiles_h),
+      fast_div(q.tiles_w), q.sub_h, q.sub_w, int(q.tiles), p.flip, p.add_input, p.silu, s.vec, s.a, s.on);
+  return "";
 }
 
 template <typename T, int K, int CW>
-void launch_tile_wgrad(const DwConvWgradParams& p, const DwTilePlan& q) {
+std::string launch_tile_wgrad(const DwConvWgradParams& p, const DwTilePlan& q) {
+  using Tag = TileKernelTag<T, K, CW, 1>;
   auto kernel = dwconv_tile_wgrad_kernel<T, K, CW>;
-  allow_smem<TileKernelTag<T, K, CW, 1>>(kernel, q.smem_wgrad);
+  allow_smem<Tag>(kernel, q.smem_wgrad);
+  const int th = q.sub_h * q.rows, tw = q.sub_w * q.cols;
+  TileStaging s;
+  const std::string err = tile_staging<Tag>(&s, kernel, p.dtype, p.B, p.H, p.W, p.C, p.x, tw + p.K - 1,
+                                            th + p.K - 1, p.grad_y, tw, th);
+  if (!err.empty()) return err;
   const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
   kernel<<<grid, kTileLanes * q.sub_h * q.sub_w, q.smem_wgrad, p.stream>>>(
-      static_cast<const T*>(p.grad_y), static_cast<const T*>(p.x), p.partial, p.H, p.W, p.C, q.tiles_h, q.tiles_w,
-      q.sub_h, q.sub_w, int(q.tiles), int(q.tiles_per_chunk), tile_vec_ok(p.C, p.dtype));
+      static_cast<const T*>(p.grad_y), static_cast<const T*>(p.x), p.partial, p.H, p.W, p.C, fast_div(q.tiles_h),
+      fast_div(q.tiles_w), q.sub_h, q.sub_w, int(q.tiles), int(q.tiles_per_chunk), s.vec, s.a, s.b, s.on);
+  return "";
 }
 
 template <typename T, int K, int CW>
-void launch_tile_backward(const DwConvWgradParams& p, const DwTilePlan& q) {
+std::string launch_tile_backward(const DwConvWgradParams& p, const DwTilePlan& q) {
+  using Tag = TileKernelTag<T, K, CW, 2>;
   auto kernel = dwconv_tile_backward_kernel<T, K, CW>;
-  allow_smem<TileKernelTag<T, K, CW, 2>>(kernel, q.smem_backward);
+  allow_smem<Tag>(kernel, q.smem_backward);
+  const int th = q.sub_h * q.rows, tw = q.sub_w * q.cols;
+  TileStaging s;
+  const std::string err = tile_staging<Tag>(&s, kernel, p.dtype, p.B, p.H, p.W, p.C, p.x, tw + p.K - 1,
+                                            th + p.K - 1, p.grad_y, tw + p.K - 1, th + p.K - 1);
+  if (!err.empty()) return err;
   const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
   kernel<<<grid, kTileLanes * q.sub_h * q.sub_w, q.smem_backward, p.stream>>>(
       static_cast<const T*>(p.grad_y), static_cast<const T*>(p.x), p.weight, static_cast<T*>(p.grad_x), p.partial,
-      p.H, p.W, p.C, q.tiles_h, q.tiles_w, q.sub_h, q.sub_w, int(q.tiles), int(q.tiles_per_chunk), p.add_input,
-      tile_vec_ok(p.C, p.dtype));
+      p.H, p.W, p.C, fast_div(q.tiles_h), fast_div(q.tiles_w), q.sub_h, q.sub_w, int(q.tiles),
+      int(q.tiles_per_chunk), p.add_input, s.vec, s.a, s.b, s.on);
+  return "";
 }
 
 std::string too_many_tiles(const DwTilePlan& q) {
@@ -542,8 +726,7 @@ struct TileForwardLauncher {
   static std::string run(const DwConvForwardParams& p) {
     const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW, int(sizeof(T)), dwconv_tile_smem_limit());
     if (q.tiles > INT_MAX) return too_many_tiles(q);
-    launch_tile_forward<T, K, CW>(p, q);
-    return "";
+    return launch_tile_forward<T, K, CW>(p, q);
   }
 };
 template <typename T, int K, int CW>
@@ -551,11 +734,9 @@ struct TileWgradLauncher {
   static std::string run(const DwConvWgradParams& p) {
     const DwTilePlan q = dwconv_tile_plan(p.B, p.H, p.W, p.C, p.K, CW, int(sizeof(T)), dwconv_tile_smem_limit());
     if (q.tiles > INT_MAX) return too_many_tiles(q);
-    if (p.grad_x != nullptr) {
-      launch_tile_backward<T, K, CW>(p, q);
-    } else {
-      launch_tile_wgrad<T, K, CW>(p, q);
-    }
+    const std::string err =
+        p.grad_x != nullptr ? launch_tile_backward<T, K, CW>(p, q) : launch_tile_wgrad<T, K, CW>(p, q);
+    if (!err.empty()) return err;
     dwconv_tile_reduce_kernel<<<unsigned(((p.K * p.K + 1) * int64_t(p.C) + 255) / 256), 256, 0, p.stream>>>(
         p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K);
     return "";
@@ -601,10 +782,12 @@ DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int ele
     q.sub_w = pick(nw, warps);
     q.sub_h = pick(nh, std::max(1, warps / q.sub_w));
     const int th = q.sub_h * q.rows, tw = q.sub_w * cols;
-    const int halo = (th + K - 1) * (tw + K - 1) * kTileLanes * elem_bytes;  // bytes of one staged tile
-    q.smem_forward = taps + 2 * halo;  // two staging buffers
-    q.smem_wgrad = std::max(2 * (halo + th * tw * kTileLanes * elem_bytes), reduced);  // two buffers of x, grad_y
-    q.smem_backward = std::max(taps + 4 * halo, reduced);
+    // Bytes of one staged tile with its halo, and without.
+    const int halo = tile_smem_round((th + K - 1) * (tw + K - 1) * kTileLanes * elem_bytes);
+    const int own = tile_smem_round(th * tw * kTileLanes * elem_bytes);
+    q.smem_forward = kTileBarBytes + taps + 2 * halo;                     // two staging buffers
+    q.smem_wgrad = kTileBarBytes + std::max(2 * (halo + own), reduced);  // two buffers of x, grad_y
+    q.smem_backward = kTileBarBytes + std::max(taps + 4 * halo, reduced);
     if (warps == 1 || std::max({q.smem_forward, q.smem_wgrad, q.smem_backward}) <= smem_limit) break;
   }
   q.tiles_w = (nw + q.sub_w - 1) / q.sub_w;

@@ -34,6 +34,7 @@
 #include "message.h"
 #include "propagate.h"
 #include "propagate_device.cuh"
+#include "tma.cuh"
 
 namespace gspn2 {
 namespace {
@@ -58,35 +59,15 @@ struct ClusterParams {
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // the device code exists for sm_90 only
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred P;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
-      " @!P bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
+using tma::mbar_expect_tx;
+using tma::mbar_init;
+using tma::mbar_wait;
+using tma::smem_u32;
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
-      : "memory");
+  tma::load_3d(dst, map, c0, c1, c2, bar);
 }
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, int c0, int c1, int c2, const void* src) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
-               : "memory");
+  tma::store_3d(map, c0, c1, c2, src);
 }
 __device__ __forceinline__ void cluster_arrive_release() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -204,7 +185,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   };
   if (i == 0) {
     mbar_init(bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    tma::mbar_init_fence();
   }
   __syncthreads();
   if (i == 0) issue(0);
@@ -359,7 +340,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
   if (i == 0) {
     mbar_init(&bar[0], 1);
     mbar_init(&bar[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    tma::mbar_init_fence();
   }
   __syncthreads();
   if (i == 0) issue(ntl - 1, 0);
@@ -529,15 +510,10 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
 
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult res{};
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &res));
-    TORCH_CHECK(res == cudaDriverEntryPointSuccess && ptr != nullptr,
-                "gspn2: the CUDA driver has no cuTensorMapEncodeTiled (needed by the cluster kernel); "
-                "set GSPN2_KERNEL=fast");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
+  const PFN_cuTensorMapEncodeTiled_v12000 fn = tma::encoder();
+  TORCH_CHECK(fn != nullptr,
+              "gspn2: the CUDA driver has no cuTensorMapEncodeTiled (needed by the cluster kernel); "
+              "set GSPN2_KERNEL=fast");
   return fn;
 }
 
@@ -566,11 +542,7 @@ void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, i
 // The driver call that encodes tensor maps needs a current context on the calling thread. The backward
 // runs on autograd's device thread, where no runtime call may have bound one yet (cuTensorMapEncodeTiled
 // then returns CUDA_ERROR_INVALID_CONTEXT): bind the current device's primary context first.
-void bind_context() {
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaSetDevice(dev));
-}
+void bind_context() { C10_CUDA_CHECK(tma::bind_context()); }
 
 using ClusterKernel = void (*)(ClusterParams);
 

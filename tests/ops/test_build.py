@@ -174,8 +174,8 @@ def test_dwconv_tile_plan():
     # gspn2_tiny's mixer at 56^2, bf16: 7 warp tiles of 4 x 4 across (4 x 28 outputs per CTA).
     q = _cuda.dwconv_plan(128, 120, 56, 56, 7, "bfloat16")
     assert (q["sub_h"], q["sub_w"], q["tiles_h"], q["tiles_w"], q["channel_blocks"]) == (1, 7, 14, 2, 4)
-    # taps (fp32) + two staging buffers of the halo tile (bf16)
-    assert q["smem_forward"] == 7 * 7 * 32 * 4 + 2 * (4 + 6) * (28 + 6) * 32 * 2
+    # the buffers' mbarriers (128 bytes), taps (fp32), two staging buffers of the halo tile (bf16)
+    assert q["smem_forward"] == 128 + 7 * 7 * 32 * 4 + 2 * (4 + 6) * (28 + 6) * 32 * 2
     for args in [(128, 120, 56, 56, 7, "bfloat16"), (41, 1024, 7, 7, 7, "float32"), (3, 17, 9, 33, 5, "float16"),
                  (2, 64, 224, 3, 3, "float32"), (1, 8, 1, 1, 7, "bfloat16")]:
         for cols in (4, 8):
