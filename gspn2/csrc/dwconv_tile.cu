@@ -316,9 +316,12 @@ __device__ __forceinline__ int staged_elems(int pixels) {
 // x + conv(x). Persistent CTAs: CTA i of a channel block computes tiles i, i + gridDim.x, ... (the grid is
 // what fits on the GPU at once), staging the taps once and each tile's input double-buffered (`tma`: by the
 // box of `tm_x`, (th + K - 1) x (tw + K - 1) pixels).
-// Four CTAs of 8 warps per SM (at most 64 registers) with 4 columns per thread, two with 8.
+// Four CTAs of 8 warps per SM (at most 64 registers) with 4 columns per thread, two with 8; the 7x7 with 4
+// columns takes three (80 registers: at 64 it spills in its inner loop, and three CTAs are faster on every
+// gspn2_tiny shape, docs/benchmarks.md).
 template <typename T, int K, int CW>
-__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, CW == 4 ? 4 : 2) dwconv_tile_forward_kernel(
+__global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, K == 7 && CW == 4 ? 3 : CW == 4 ? 4 : 2)
+    dwconv_tile_forward_kernel(
     const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, T* __restrict__ y,
     int H, int W, int C, FastDiv tiles_h, FastDiv tiles_w, int sub_h, int sub_w, int tiles, bool flip,
     bool add_input, bool silu_out, bool vec, const __grid_constant__ CUtensorMap tm_x, bool tma) {
