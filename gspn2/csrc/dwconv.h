@@ -93,6 +93,12 @@ struct DwTilePlan {
 DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int elem_bytes, int smem_limit);
 int dwconv_tile_smem_limit();
 
+// Whether the tile kernels may stage by TMA where they have sm_90 code (the default), or stage by cp.async
+// (or element copies) everywhere: the staging of builds without sm_90 code, for the tests on an sm_90 GPU.
+// Process-wide, read at each launch.
+void dwconv_tile_set_tma(bool enabled);
+bool dwconv_tile_tma_enabled();
+
 // Both return an empty string, or the error of the launch.
 std::string dwconv_tile_forward_launch(const DwConvForwardParams& p);
 std::string dwconv_tile_wgrad_launch(const DwConvWgradParams& p);

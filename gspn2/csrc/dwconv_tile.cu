@@ -639,7 +639,7 @@ std::string tile_staging(TileStaging* s, Kernel kernel, ScalarType dtype, int B,
                          int a_cols, int a_rows, const void* b = nullptr, int b_cols = 0, int b_rows = 0) {
   s->vec = tile_vec_ok(C, dtype);
   const bool fits = (int64_t(H) * W * C * element_size(dtype)) < (int64_t(1) << 40);
-  s->on = s->vec && fits && kernel_has_tma<Tag>(kernel);
+  s->on = s->vec && fits && dwconv_tile_tma_enabled() && kernel_has_tma<Tag>(kernel);
   if (!s->on) return "";
   std::string err = encode_tile_box(&s->a, a, dtype, B, H, W, C, a_cols, a_rows);
   if (err.empty() && b != nullptr) err = encode_tile_box(&s->b, b, dtype, B, H, W, C, b_cols, b_rows);
@@ -746,7 +746,12 @@ struct TileWgradLauncher {
   }
 };
 
+std::atomic<bool> g_tile_tma{true};
+
 }  // namespace
+
+void dwconv_tile_set_tma(bool enabled) { g_tile_tma.store(enabled); }
+bool dwconv_tile_tma_enabled() { return g_tile_tma.load(); }
 
 int dwconv_tile_smem_limit() {
   constexpr int kMaxDevices = 64;

@@ -583,6 +583,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("backward") = false, py::arg("kernel") = "auto",
         py::arg("cluster_ctas") = 0);
   m.def("limits", &gspn2::limits, "The kernels' limits and planning thresholds (dict)");
+  m.def(
+      "dwconv_set_tma",
+      [](bool enabled) {
+        const bool before = gspn2::dwconv_tile_tma_enabled();
+        gspn2::dwconv_tile_set_tma(enabled);
+        return before;
+      },
+      "Lets the depthwise tile kernels stage by TMA on sm_90 (True, the default) or not; returns the setting "
+      "before",
+      py::arg("enabled"));
   m.def("dwconv_plan", &gspn2::dwconv_plan, "The depthwise tile kernels' plan (dict)", py::arg("B"), py::arg("C"),
         py::arg("H"), py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("cols") = 4, py::arg("smem_limit") = 0);
 }

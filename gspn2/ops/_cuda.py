@@ -21,7 +21,7 @@ import torch
 
 from gspn2.ops import options as _options
 
-__all__ = ["BUILD_HINT", "describe", "dwconv_plan", "extension_available", "extension_error", "limits", "plan", "require_extension"]
+__all__ = ["BUILD_HINT", "describe", "dwconv_plan", "dwconv_tma", "extension_available", "extension_error", "limits", "plan", "require_extension"]
 
 log = logging.getLogger("gspn2.ops")
 
@@ -92,6 +92,16 @@ def dwconv_plan(B, C, H, W, K, dtype="bfloat16", cols=4, smem_limit=0) -> dict:
     """
     require_extension()
     return dict(_C.dwconv_plan(B, C, H, W, K, dtype, cols, smem_limit))
+
+
+def dwconv_tma(enabled: bool) -> bool:
+    """Lets the depthwise tile kernels stage their tiles by TMA where they were compiled for sm_90 (``True``,
+    the default) or makes them stage by ``cp.async`` everywhere, as builds without sm_90 code do (``False``;
+    the tests use it to run that path on an sm_90 GPU). Process-wide; returns the previous setting."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be a bool, got {enabled!r}")
+    require_extension()
+    return bool(_C.dwconv_set_tma(enabled))
 
 
 def describe() -> str:

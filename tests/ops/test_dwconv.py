@@ -1,9 +1,12 @@
 """``gspn2.ops.depthwise_conv2d``: the op against ``F.conv2d`` (CPU, float64 gradcheck, opcheck), the fused
 SiLU, argument errors, the backend switch and the MAC count; on a GPU the CUDA kernel against cuDNN (fp32,
-bf16, fp16, both tiles, the scalar path), determinism and ``torch.compile(fullgraph=True)``. The models
+bf16, fp16, both tiles, the scalar path), TMA and ``cp.async`` staging bitwise equal, determinism and
+``torch.compile(fullgraph=True)``. The models
 against their module-by-module oracle (cuDNN depthwise convolutions): tests/models/test_gspn2_cuda.py."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -104,6 +107,14 @@ def test_bad_arguments_name_the_argument(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         depthwise_conv2d(args["x"], args["w"], args["b"])
+
+
+@pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
+def test_tma_switch_is_validated_and_restored():
+    with pytest.raises(TypeError, match="`enabled` must be a bool"):
+        _cuda.dwconv_tma(1)
+    assert _cuda.dwconv_tma(False) is True
+    assert _cuda.dwconv_tma(True) is False
 
 
 def test_backend_switch_is_validated():
@@ -308,6 +319,32 @@ def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
                          for o, e in zip(_grads(backend, x, w, b, False, gy), exact)]
     # float32 weights and accumulation: at most the cuDNN 16-bit error (x2 margin), every output
     assert all(t <= 2 * c + 1e-3 for t, c in zip(errs["cuda"], errs["cudnn"])), errs
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["t0v4", "t1v8"])
+@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (2, 16, 9, 33, 5, True)])
+def test_cuda_cp_async_staging_matches_tma(shape, variant, dtype):
+    """On sm_90 the tiles arrive by TMA; builds without sm_90 code stage them by cp.async (the path
+    ``_cuda.dwconv_tma(False)`` forces here). Both put the same bytes where the kernels read them, so the
+    outputs and all three gradients are bitwise equal (the weight gradient's summation order is the plan's)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA staging needs sm_90; without it every call already stages by cp.async")
+    N, C, H, W, K, add = shape
+    _set_variant(variant)
+    x, w, b = _cuda_case(N, C, H, W, K, dtype)
+    gy = torch.randn_like(x)
+    assert _cuda.dwconv_tma(True) is True  # the default
+    with_tma = _grads("cuda", x, w, b, add, gy)
+    try:
+        assert _cuda.dwconv_tma(False) is True
+        with_cp_async = _grads("cuda", x, w, b, add, gy)
+    finally:
+        _cuda.dwconv_tma(True)
+    for name, t, c in zip(("y", "grad_x", "grad_w", "grad_b"), with_tma, with_cp_async):
+        assert torch.equal(t, c), name
 
 
 @cuda
