@@ -70,7 +70,8 @@ def summary(k: dict) -> str:
 
 def blocks(k: dict, top: int) -> list[str]:
     col, rows = k["col"], k["rows"]
-    items = [(i, r[1], count(r, col, "Instructions Executed"), count(r, col, "Warp Stall Sampling (All Samples)"))
+    stall_key = "Warp Stall Sampling (All Samples)"
+    items = [(i, r[1], count(r, col, "Instructions Executed"), count(r, col, stall_key))
              for i, r in enumerate(rows)]
     total = sum(x[2] for x in items) or 1
     samples = sum(x[3] for x in items) or 1
@@ -87,9 +88,9 @@ def blocks(k: dict, top: int) -> list[str]:
     for b in runs[:top]:
         n, s = sum(x[2] for x in b), sum(x[3] for x in b)
         mix = collections.Counter(opcode(x[1]) for x in b)
-        out.append(f"  SASS {b[0][0]}-{b[-1][0]} ({len(b)} instructions, each run {b[0][2]} times): "
-                   f"{n / total * 100:.1f}% of the instructions, {s / samples * 100:.1f}% of the stall samples; "
-                   + ", ".join(f"{o} {c}" for o, c in mix.most_common(8)))
+        shares = f"{n / total * 100:.1f}% of the instructions, {s / samples * 100:.1f}% of the stall samples"
+        head = f"  SASS {b[0][0]}-{b[-1][0]} ({len(b)} instructions, each run {b[0][2]} times)"
+        out.append(f"{head}: {shares}; " + ", ".join(f"{o} {c}" for o, c in mix.most_common(8)))
     return out
 
 

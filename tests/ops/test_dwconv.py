@@ -325,11 +325,13 @@ def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["t0v4", "t1v8"])
-@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (2, 16, 9, 33, 5, True)])
+@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False),
+                                   (2, 16, 9, 33, 5, True)])
 def test_cuda_cp_async_staging_matches_tma(shape, variant, dtype):
     """On sm_90 the tiles arrive by TMA; builds without sm_90 code stage them by cp.async (the path
     ``_cuda.dwconv_tma(False)`` forces here). Both put the same bytes where the kernels read them, so the
-    outputs and all three gradients are bitwise equal (the weight gradient's summation order is the plan's)."""
+    outputs and all three gradients are bitwise equal (the weight gradient's summation order is the
+    plan's)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA staging needs sm_90; without it every call already stages by cp.async")
     N, C, H, W, K, add = shape
