@@ -610,7 +610,7 @@ struct TileStaging {
 };
 
 // A (C, W, H, B) map of a channels-last tensor with boxes of 32 channels x box_cols x box_rows pixels of one
-// image; zeros outside. "" or the error.
+// image; zeros outside. The calling thread has a current context. "" or the error.
 std::string encode_tile_box(CUtensorMap* map, const void* ptr, ScalarType dtype, int B, int H, int W, int C,
                             int box_cols, int box_rows) {
   const cuuint64_t es = cuuint64_t(element_size(dtype));
@@ -618,12 +618,7 @@ std::string encode_tile_box(CUtensorMap* map, const void* ptr, ScalarType dtype,
   const cuuint64_t strides[3] = {C * es, cuuint64_t(W) * C * es, cuuint64_t(H) * W * C * es};
   const cuuint32_t box[4] = {cuuint32_t(kTileLanes), cuuint32_t(box_cols), cuuint32_t(box_rows), 1};
   const cuuint32_t estr[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = dtype == ScalarType::Float  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                                   : dtype == ScalarType::Half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const cudaError_t bound = tma::bind_context();
-  if (bound != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(bound);
-  const CUresult r = tma::encoder()(map, type, 4, const_cast<void*>(ptr), dims, strides, box, estr,
+  const CUresult r = tma::encoder()(map, tma::data_type(dtype), 4, const_cast<void*>(ptr), dims, strides, box, estr,
                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r == CUDA_SUCCESS) return "";
@@ -641,6 +636,8 @@ std::string tile_staging(TileStaging* s, Kernel kernel, ScalarType dtype, int B,
   const bool fits = (int64_t(H) * W * C * element_size(dtype)) < (int64_t(1) << 40);
   s->on = s->vec && fits && dwconv_tile_tma_enabled() && kernel_has_tma<Tag>(kernel);
   if (!s->on) return "";
+  const cudaError_t bound = tma::bind_context();  // the encoder needs a current context (tma.cuh)
+  if (bound != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(bound);
   std::string err = encode_tile_box(&s->a, a, dtype, B, H, W, C, a_cols, a_rows);
   if (err.empty() && b != nullptr) err = encode_tile_box(&s->b, b, dtype, B, H, W, C, b_cols, b_rows);
   return err;

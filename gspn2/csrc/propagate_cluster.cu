@@ -63,12 +63,6 @@ using tma::mbar_expect_tx;
 using tma::mbar_init;
 using tma::mbar_wait;
 using tma::smem_u32;
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
-  tma::load_3d(dst, map, c0, c1, c2, bar);
-}
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, int c0, int c1, int c2, const void* src) {
-  tma::store_3d(map, c0, c1, c2, src);
-}
 __device__ __forceinline__ void cluster_arrive_release() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
@@ -177,10 +171,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
     for (int bx = 0; bx < p.nbox; ++bx) {
       const int r = row0 + bx * p.boxrows;
       unsigned char* dst = stage + size_t(bx) * p.boxrows * RB;
-      tma_load(dst, &p.tm_x, j0, r, px, bar);
-      tma_load(dst + size_t(srows) * RB, &p.tm_lam, j0, r, pl, bar);
+      tma::load_3d(dst, &p.tm_x, j0, r, px, bar);
+      tma::load_3d(dst + size_t(srows) * RB, &p.tm_lam, j0, r, pl, bar);
 #pragma unroll
-      for (int k = 0; k < 3; ++k) tma_load(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, bar);
+      for (int k = 0; k < 3; ++k) tma::load_3d(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, bar);
     }
   };
   if (i == 0) {
@@ -263,7 +257,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
     __syncthreads();  // output stage complete
     if (i == 0) {
       for (int bo = 0; bo < p.onbox; ++bo) {
-        tma_store(&p.tm_h, col0(kt), rank * p.R + bo * p.oboxrows, pl, ostage + size_t(bo) * p.oboxrows * RB);
+        tma::store_3d(&p.tm_h, col0(kt), rank * p.R + bo * p.oboxrows, pl, ostage + size_t(bo) * p.oboxrows * RB);
       }
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
@@ -330,12 +324,12 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
     uint64_t* mb = &bar[buf];
     mbar_expect_tx(mb, tx_bytes);
     const int j0 = col0(kt);
-    tma_load(plane(buf, 0), &p.tm_x, j0, row0, px, mb);
-    tma_load(plane(buf, 1), &p.tm_lam, j0, row0, pl, mb);
+    tma::load_3d(plane(buf, 0), &p.tm_x, j0, row0, px, mb);
+    tma::load_3d(plane(buf, 1), &p.tm_lam, j0, row0, pl, mb);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) tma_load(plane(buf, 2 + k), &p.tm_g, j0, row0, pg + k * p.K, mb);
-    tma_load(plane(buf, 5), &p.tm_gh, j0, row0, pl, mb);
-    tma_load(plane(buf, 6), &p.tm_h, j0, row0, pl, mb);
+    for (int k = 0; k < 3; ++k) tma::load_3d(plane(buf, 2 + k), &p.tm_g, j0, row0, pg + k * p.K, mb);
+    tma::load_3d(plane(buf, 5), &p.tm_gh, j0, row0, pl, mb);
+    tma::load_3d(plane(buf, 6), &p.tm_h, j0, row0, pl, mb);
   };
   if (i == 0) {
     mbar_init(&bar[0], 1);
@@ -496,10 +490,10 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
     __syncthreads();  // output stage complete; stage buffer `buf` read
     if (i == 0) {
       const int j0 = col0(kt), r0 = rank * p.R;
-      tma_store(&p.tm_glam, j0, r0, pl, oplane(0));
-      tma_store(&p.tm_gx, j0, r0, pgx, oplane(1));
+      tma::store_3d(&p.tm_glam, j0, r0, pl, oplane(0));
+      tma::store_3d(&p.tm_gx, j0, r0, pgx, oplane(1));
 #pragma unroll
-      for (int k = 0; k < 3; ++k) tma_store(&p.tm_gg, j0, r0, pgg + k * p.K, oplane(2 + k));
+      for (int k = 0; k < 3; ++k) tma::store_3d(&p.tm_gg, j0, r0, pgg + k * p.K, oplane(2 + k));
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
   }
@@ -526,10 +520,7 @@ void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, i
   const cuuint64_t strides[2] = {cuuint64_t(W) * es, cuuint64_t(W) * H * es};
   const cuuint32_t box[3] = {cuuint32_t(T), cuuint32_t(boxrows), 1};
   const cuuint32_t estr[3] = {1, 1, 1};
-  const CUtensorMapDataType type = dtype == ScalarType::Float  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                                   : dtype == ScalarType::Half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUresult r = encode_tiled()(map, type, 3, const_cast<void*>(ptr), dims, strides, box, estr,
+  const CUresult r = encode_tiled()(map, tma::data_type(dtype), 3, const_cast<void*>(ptr), dims, strides, box, estr,
                                     CU_TENSOR_MAP_INTERLEAVE_NONE,
                                     es == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
                                     CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

@@ -10,6 +10,8 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include "propagate.h"  // ScalarType
+
 namespace gspn2 {
 namespace tma {
 
@@ -83,6 +85,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encoder() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
   }();
   return fn;
+}
+
+// The tensor-map element type of a float32, float16 or bfloat16 tensor.
+inline CUtensorMapDataType data_type(ScalarType dtype) {
+  return dtype == ScalarType::Float  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+         : dtype == ScalarType::Half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 }
 
 // Binds the current device's primary context to the calling thread (cuTensorMapEncodeTiled returns
