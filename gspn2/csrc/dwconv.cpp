@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "calls.h"
 #include "dwconv.h"
 #include "message.h"
 
@@ -63,9 +64,17 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xna
   GSPN2_CHECK(x.numel() < (int64_t(1) << 31) * 16, "`", xname, "` is too large: ", x.sizes());
 }
 
-// (C, 1, K, K) -> (C, K*K) float32: a view of a contiguous float32 weight.
+// The float32 (C, K*K) taps of a (C, 1, K, K) weight: the weight itself where it is float32 and contiguous
+// (the same memory), else a converted copy.
 at::Tensor weight_rows(const at::Tensor& weight) {
+  if (weight.scalar_type() == at::kFloat && weight.is_contiguous()) return weight;
   return weight.detach().reshape({weight.size(0), -1}).to(at::kFloat).contiguous();
+}
+
+// A float32 contiguous bias: the bias itself where it is one, else a converted copy.
+at::Tensor bias_f32(const at::Tensor& bias) {
+  if (bias.scalar_type() == at::kFloat && bias.is_contiguous()) return bias;
+  return bias.detach().to(at::kFloat).contiguous();
 }
 
 // The forward kernel on x (channels-last, 16-byte aligned) into y of its shape: y = conv(x) with the float32
@@ -109,7 +118,7 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   const at::Tensor x = nhwc(x_);
   const at::Tensor w = weight_rows(weight);
   at::Tensor b32;
-  if (bias.has_value()) b32 = bias->detach().to(at::kFloat).contiguous();
+  if (bias.has_value()) b32 = bias_f32(*bias);
   at::Tensor y = at::empty_like(x, x.options(), at::MemoryFormat::ChannelsLast);
   launch_forward(x, w, int(weight.size(2)), bias.has_value() ? b32.data_ptr<float>() : nullptr, add_input, silu, false,
                  y, cols);
@@ -186,57 +195,77 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_backward(const at::Tensor&
   return {grad_x, g[1].to(weight.scalar_type()).contiguous(), grad_b};
 }
 
+using ForwardOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, bool,
+                              int64_t, int64_t);
+using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, bool, bool, int64_t, int64_t);
+
+const c10::TypedOperatorHandle<ForwardOp>& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("gspn2::depthwise_conv2d", "").typed<ForwardOp>();
+  return op;
+}
+
+// The op's flags, packed into one saved integer (bits: has_bias, add_input, silu, kernel; cols above them).
+int64_t pack_flags(bool has_bias, bool add_input, bool silu, int64_t kernel, int64_t cols) {
+  return int64_t(has_bias) | int64_t(add_input) << 1 | int64_t(silu) << 2 | (kernel & 1) << 3 | cols << 4;
+}
+
 // Autograd for CUDA tensors (CPU keeps the Python formula of gspn2/ops/dwconv.py).
 class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, bool add_input, bool silu, int64_t kernel,
                             int64_t cols) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("gspn2::depthwise_conv2d", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                                 bool, bool, int64_t, int64_t)>();
     at::Tensor y;
     {
       at::AutoDispatchBelowADInplaceOrView below;
-      y = op.call(x, weight, bias, add_input, silu, kernel, cols);
+      y = forward_op().call(x, weight, bias, add_input, silu, kernel, cols);
     }
     ctx->save_for_backward({x, weight});
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["add_input"] = add_input;
-    ctx->saved_data["silu"] = silu;
-    ctx->saved_data["kernel"] = kernel;
-    ctx->saved_data["cols"] = cols;
+    ctx->saved_data["flags"] = pack_flags(bias.has_value() && bias->defined(), add_input, silu, kernel, cols);
     return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    GSPN2_CHECK(!ctx->saved_data["silu"].toBool(),
-                   "gspn2::depthwise_conv2d with `silu`=True has no backward; depthwise_conv2d(..., silu=True) applies "
-                   "SiLU separately whenever autograd records");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("gspn2::depthwise_conv2d_backward", "")
-                               .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool, int64_t, int64_t)>();
+    const int64_t flags = ctx->saved_data["flags"].toInt();
+    const bool has_bias = flags & 1, add_input = flags & 2, silu = flags & 4;
+    GSPN2_CHECK(!silu,
+                "gspn2::depthwise_conv2d with `silu`=True has no backward; depthwise_conv2d(..., silu=True) applies "
+                "SiLU separately whenever autograd records");
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("gspn2::depthwise_conv2d_backward", "").typed<BackwardOp>();
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const at::Tensor grad_y = grads[0].contiguous(x.is_contiguous(at::MemoryFormat::ChannelsLast)
                                                       ? at::MemoryFormat::ChannelsLast
                                                       : at::MemoryFormat::Contiguous);
-    auto [grad_x, grad_w, grad_b] = op.call(grad_y, x, saved[1], has_bias, ctx->saved_data["add_input"].toBool(),
-                                            ctx->saved_data["kernel"].toInt(), ctx->saved_data["cols"].toInt());
+    auto [grad_x, grad_w, grad_b] = op.call(grad_y, x, saved[1], has_bias, add_input, (flags >> 3) & 1, flags >> 4);
     return {grad_x, grad_w, has_bias ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+// Records the autograd node only where a gradient is wanted; otherwise calls the kernel directly, as aten's
+// own ops do (no node, no saved tensors).
 at::Tensor dwconv_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            bool add_input, bool silu, int64_t kernel, int64_t cols) {
+  const bool wants_grad = at::GradMode::is_enabled() &&
+                          (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
+  if (!wants_grad) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return forward_op().call(x, weight, bias, add_input, silu, kernel, cols);
+  }
   return DwConvFunction::apply(x, weight, bias, add_input, silu, kernel, cols);
 }
 
 }  // namespace
+
+at::Tensor depthwise_conv2d_call(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 bool add_input, bool silu, int64_t kernel, int64_t cols) {
+  return forward_op().call(x, weight, bias, add_input, silu, kernel, cols);
+}
+
 }  // namespace gspn2
 
 TORCH_LIBRARY_IMPL(gspn2, CUDA, m) {

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "calls.h"
 #include "dwconv.h"
 #include "message.h"
 #include "propagate.h"
@@ -432,6 +433,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> propagate_backward(
   return {grad_x, grad_lam, grad_gates};
 }
 
+using PropagateOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, std::optional<int64_t>,
+                                c10::string_view, int64_t);
+
+const c10::TypedOperatorHandle<PropagateOp>& propagate_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("gspn2::propagate", "").typed<PropagateOp>();
+  return op;
+}
+
 // Autograd for CUDA tensors (the AutogradCUDA key; CPU keeps the Python formula of gspn2/ops/propagate.py,
 // which computes the same thing). Both passes redispatch through the dispatcher, so fake tensors
 // (torch.compile, export) reach the fake implementations.
@@ -440,19 +449,15 @@ class PropagateFunction : public torch::autograd::Function<PropagateFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& lam,
                             const at::Tensor& gates, std::optional<int64_t> chunk, c10::string_view kernel,
                             int64_t cluster_ctas) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("gspn2::propagate", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                 std::optional<int64_t>, c10::string_view, int64_t)>();
     at::Tensor h;
     {
       at::AutoDispatchBelowADInplaceOrView below;
-      h = op.call(x, lam, gates, chunk, kernel, cluster_ctas);
+      h = propagate_op().call(x, lam, gates, chunk, kernel, cluster_ctas);
     }
     ctx->save_for_backward({x, lam, gates, h});
-    ctx->saved_data["chunk"] = chunk.has_value() ? c10::IValue(*chunk) : c10::IValue();
+    // chunk (or -1 for None; chunks are >= 1) and cluster_ctas; the kernel family by name.
+    ctx->saved_data["ints"] = std::vector<int64_t>{chunk.value_or(-1), cluster_ctas};
     ctx->saved_data["kernel"] = std::string(kernel);
-    ctx->saved_data["cluster_ctas"] = cluster_ctas;
     return h;
   }
 
@@ -465,17 +470,25 @@ class PropagateFunction : public torch::autograd::Function<PropagateFunction> {
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 std::optional<int64_t>, c10::string_view, int64_t)>();
     const auto saved = ctx->get_saved_variables();
-    const c10::IValue& chunk_v = ctx->saved_data["chunk"];
-    const std::optional<int64_t> chunk = chunk_v.isNone() ? std::nullopt : std::optional<int64_t>(chunk_v.toInt());
+    const auto ints = ctx->saved_data["ints"].toIntVector();
+    const std::optional<int64_t> chunk = ints[0] < 0 ? std::nullopt : std::optional<int64_t>(ints[0]);
     const std::string kernel = ctx->saved_data["kernel"].toStringRef();
-    auto [grad_x, grad_lam, grad_gates] = op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], chunk,
-                                                  kernel, ctx->saved_data["cluster_ctas"].toInt());
+    auto [grad_x, grad_lam, grad_gates] =
+        op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], chunk, kernel, ints[1]);
     return {grad_x, grad_lam, grad_gates, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+// Records the autograd node only where a gradient is wanted; otherwise calls the kernels directly, as aten's
+// own ops do.
 at::Tensor propagate_autograd(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
                               std::optional<int64_t> chunk, c10::string_view kernel, int64_t cluster_ctas) {
+  const bool wants_grad =
+      at::GradMode::is_enabled() && (x.requires_grad() || lam.requires_grad() || gates.requires_grad());
+  if (!wants_grad) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return propagate_op().call(x, lam, gates, chunk, kernel, cluster_ctas);
+  }
   return PropagateFunction::apply(x, lam, gates, chunk, kernel, cluster_ctas);
 }
 
@@ -567,6 +580,11 @@ py::dict limits() {
 
 }  // namespace
 
+at::Tensor propagate_call(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
+                          std::optional<int64_t> chunk, const std::string& kernel, int64_t cluster_ctas) {
+  return propagate_op().call(x, lam, gates, chunk, kernel, cluster_ctas);
+}
+
 }  // namespace gspn2
 
 TORCH_LIBRARY_IMPL(gspn2, CUDA, m) {
@@ -593,6 +611,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Lets the depthwise tile kernels stage by TMA on sm_90 (True, the default) or not; returns the setting "
       "before",
       py::arg("enabled"));
+  m.def("propagate", &gspn2::propagate_call,
+        "gspn2::propagate for eager callers: the typed dispatcher call, without torch.ops' argument parsing",
+        py::arg("x"), py::arg("lam"), py::arg("gates"), py::arg("chunk"), py::arg("kernel"), py::arg("cluster_ctas"));
+  m.def("depthwise_conv2d", &gspn2::depthwise_conv2d_call,
+        "gspn2::depthwise_conv2d for eager callers: the typed dispatcher call, without torch.ops' argument parsing",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("add_input"), py::arg("silu"), py::arg("kernel"),
+        py::arg("cols"));
   m.def("dwconv_plan", &gspn2::dwconv_plan, "The depthwise tile kernels' plan (dict)", py::arg("B"), py::arg("C"),
         py::arg("H"), py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("cols") = 4, py::arg("smem_limit") = 0);
 }

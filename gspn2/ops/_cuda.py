@@ -21,7 +21,10 @@ import torch
 
 from gspn2.ops import options as _options
 
-__all__ = ["BUILD_HINT", "describe", "dwconv_plan", "dwconv_tma", "extension_available", "extension_error", "limits", "plan", "require_extension"]
+__all__ = [
+    "BUILD_HINT", "describe", "direct_call", "direct_call_allowed", "dwconv_plan", "dwconv_tma", "extension_available",
+    "extension_error", "limits", "plan", "raise_build_hint", "require_extension",
+]
 
 log = logging.getLogger("gspn2.ops")
 
@@ -55,6 +58,30 @@ def require_extension() -> None:
     """Raise ``RuntimeError`` with :data:`BUILD_HINT` unless the extension is built."""
     if _C is None:
         raise RuntimeError(BUILD_HINT) from _IMPORT_ERROR
+
+
+#: The ops with a direct eager entry in the extension (gspn2/csrc/calls.h).
+DIRECT_CALLS = ("propagate", "depthwise_conv2d")
+
+
+def direct_call(name: str):
+    """The extension's direct entry of ``gspn2::<name>`` (the same dispatcher op as ``torch.ops.gspn2.<name>``,
+    called without torch.ops' argument parsing: a few microseconds less per call), or None where the
+    extension is not built or was built from sources without it. Call it only where
+    :func:`direct_call_allowed` holds."""
+    if name not in DIRECT_CALLS:
+        raise ValueError(f"`name` must be one of {DIRECT_CALLS}, got {name!r}")
+    return getattr(_C, name, None) if _C is not None else None
+
+
+def direct_call_allowed(args) -> bool:
+    """Whether a direct entry may replace ``torch.ops`` for a call with these arguments: not while Dynamo
+    traces (it cannot trace into the extension), not under ``torch.jit.trace`` (which records ``torch.ops``
+    calls only) and not where ``__torch_function__`` applies (tensor subclasses, function modes), which only
+    ``torch.ops`` honours. Dispatch-level machinery (autograd, fake tensors, ``TorchDispatchMode``) sees both
+    alike."""
+    return not (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+                or torch._C._has_torch_function(args))
 
 
 def limits() -> dict:
@@ -114,10 +141,7 @@ def describe() -> str:
     )
 
 
-if _C is None:
-
-    def _missing_extension(*args):
-        raise RuntimeError(BUILD_HINT) from _IMPORT_ERROR
-
-    for _name in ("propagate", "propagate_backward"):
-        torch.library.register_kernel(f"gspn2::{_name}", "cuda", _missing_extension)
+def raise_build_hint(*args):
+    """A CUDA kernel for ops whose CUDA implementation lives in the extension, where it is not built: raises
+    ``RuntimeError`` with :data:`BUILD_HINT` (no silent fallback to a slow reference)."""
+    raise RuntimeError(BUILD_HINT) from _IMPORT_ERROR

@@ -139,8 +139,11 @@ def _check_variant(kernel: int, cols: int) -> None:
         raise ValueError(f"gspn2: `cols` must be 4 or 8, got {cols}")
 
 
+_CL = torch.channels_last
+
+
 def _channels_last(t: torch.Tensor) -> bool:
-    return t.is_contiguous(memory_format=torch.channels_last)
+    return t.is_contiguous(memory_format=_CL)
 
 
 def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -151,7 +154,7 @@ def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     K = weight.shape[-1]
     if choice == "auto" and K not in AUTO_KERNEL_SIZES:  # the common cuDNN case: no further checks
         return False
-    if _EXTENSION and x.dtype in _KERNEL_DTYPES and K in KERNEL_SIZES and _channels_last(x):
+    if _EXTENSION and x.dtype in _KERNEL_DTYPES and K in KERNEL_SIZES and x.is_contiguous(memory_format=_CL):
         return True
     if choice == "auto":
         return False
@@ -305,9 +308,32 @@ def variant(kernel_size: int) -> tuple[int, int]:
     return FAMILIES.index(family), cols
 
 
+# variant() by kernel size for the options object in force (options are replaced, never changed in place).
+_variants_for: Optional[_options.Options] = None
+_variants: dict = {}
+
+
+def _variant(kernel_size: int) -> tuple[int, int]:
+    global _variants_for
+    o = _options.current()
+    if o is not _variants_for:
+        _variants.clear()
+        _variants_for = o
+    v = _variants.get(kernel_size)
+    if v is None:
+        v = _variants[kernel_size] = variant(kernel_size)
+    return v
+
+
+_DIRECT = _cuda.direct_call("depthwise_conv2d")
+_OP = torch.ops.gspn2.depthwise_conv2d.default
+
+
 def _dwconv(x, weight, bias, add_input, silu):
-    kernel, cols = variant(weight.shape[-1])
-    return torch.ops.gspn2.depthwise_conv2d.default(x, weight, bias, add_input, silu, kernel, cols)
+    kernel, cols = _variant(weight.shape[-1])
+    if _DIRECT is not None and _cuda.direct_call_allowed((x, weight, bias)):
+        return _DIRECT(x, weight, bias, add_input, silu, kernel, cols)
+    return _OP(x, weight, bias, add_input, silu, kernel, cols)
 
 
 def depthwise_conv2d(
@@ -330,15 +356,18 @@ def depthwise_conv2d(
     Under autocast ``x`` is cast to the autocast dtype, as ``F.conv2d`` would be; the kernel reads the
     weight and bias in float32 and accumulates in float32. Returns ``x``'s dtype and strides.
     """
-    _check_flags(add_input, silu)
+    if add_input.__class__ is not bool or silu.__class__ is not bool:
+        _check_flags(add_input, silu)  # raises the TypeError
     if not isinstance(x, torch.Tensor):
         check_tensor("depthwise_conv2d", "x", x)  # raises the TypeError
-    if autocast_enabled(x.device.type):
-        cast = x.to(torch.get_autocast_dtype(x.device.type))
-        if add_input and cast.dtype != x.dtype:  # x + conv(x) promotes to x's dtype, as in eager
-            y = x + depthwise_conv2d(cast, weight, bias)
+    device_type = "cuda" if x.is_cuda else x.device.type
+    if autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if add_input and dtype != x.dtype:  # x + conv(x) promotes to x's dtype, as in eager
+            y = x + depthwise_conv2d(x.to(dtype), weight, bias)
             return F.silu(y) if silu else y
-        x = cast
+        if x.dtype != dtype:
+            x = x.to(dtype)
     if x.is_cuda and _options.current().dwconv == "stencil":
         _check(x, weight, bias)
         return stencil_conv2d(x, weight, bias, add_input, silu)

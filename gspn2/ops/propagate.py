@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from gspn2.ops import _cuda
 from gspn2.ops import options as _options
 from gspn2.ops._checks import (
     check_backward_inputs,
@@ -42,6 +43,9 @@ _LIB.define(
     "propagate_backward(Tensor grad_h, Tensor x, Tensor lam, Tensor gates, Tensor h, int? chunk, str kernel, "
     "int cluster_ctas) -> (Tensor, Tensor, Tensor)"
 )
+if not _cuda.extension_available():  # CUDA tensors raise the build hint instead of running the reference
+    for _name in ("propagate", "propagate_backward"):
+        _LIB.impl(_name, _cuda.raise_build_hint, "CUDA")
 
 
 @torch.library.impl(_LIB, "propagate", "CompositeExplicitAutograd")
@@ -149,7 +153,14 @@ def gspn_propagate(
         check_propagate_inputs(x, lam, gates, chunk)
         check_options(kernel, opts.cluster_ctas)
         return gspn_propagate_ref(x, lam, gates, chunk)
-    for name, t in (("x", x), ("lam", lam), ("gates", gates)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gspn_propagate: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    return torch.ops.gspn2.propagate.default(x, lam, gates, chunk, kernel, opts.cluster_ctas)
+    if not (isinstance(x, torch.Tensor) and isinstance(lam, torch.Tensor) and isinstance(gates, torch.Tensor)):
+        for name, t in (("x", x), ("lam", lam), ("gates", gates)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"gspn_propagate: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if _DIRECT is not None and _cuda.direct_call_allowed((x, lam, gates)):
+        return _DIRECT(x, lam, gates, chunk, kernel, opts.cluster_ctas)
+    return _OP(x, lam, gates, chunk, kernel, opts.cluster_ctas)
+
+
+_DIRECT = _cuda.direct_call("propagate")
+_OP = torch.ops.gspn2.propagate.default
