@@ -1,5 +1,5 @@
-// Direct eager entries of gspn2's ops for Python (bound in propagate.cpp as gspn2._C.propagate and
-// gspn2._C.depthwise_conv2d): the typed dispatcher calls of gspn2::propagate and gspn2::depthwise_conv2d. Every
+// Direct eager entries of gspn2's ops for Python (bound in propagate.cpp as gspn2._C.<op>): the typed
+// dispatcher calls of gspn2::propagate, gspn2::depthwise_conv2d and the GEMM chains gspn2::rows_*. Every
 // dispatch key (autograd, tracing, fake tensors, dispatch modes) sees the same op as through torch.ops; what
 // they skip is torch.ops' boxed argument parsing. Dynamo cannot trace them: gspn2/ops calls torch.ops while
 // compiling.
@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace gspn2 {
 
@@ -18,5 +19,17 @@ at::Tensor propagate_call(const at::Tensor& x, const at::Tensor& lam, const at::
 
 at::Tensor depthwise_conv2d_call(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  bool add_input, bool silu, int64_t kernel, int64_t cols);
+
+std::vector<at::Tensor> rows_norm_linear_call(const at::Tensor& x, const std::optional<at::Tensor>& gate,
+                                              const std::optional<at::Tensor>& norm_weight,
+                                              const std::optional<at::Tensor>& norm_bias, const at::Tensor& weight,
+                                              const std::optional<at::Tensor>& bias, double eps, int64_t chunks,
+                                              at::ScalarType dtype);
+
+at::Tensor rows_linear_call(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& skip_input, const std::optional<at::Tensor>& skip_scale,
+                            at::ScalarType dtype);
+
+at::Tensor rows_gelu_linear_call(const at::Tensor& h, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 }  // namespace gspn2

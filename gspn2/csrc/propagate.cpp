@@ -618,6 +618,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gspn2::depthwise_conv2d for eager callers: the typed dispatcher call, without torch.ops' argument parsing",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("add_input"), py::arg("silu"), py::arg("kernel"),
         py::arg("cols"));
+  m.def("rows_norm_linear", &gspn2::rows_norm_linear_call, "gspn2::rows_norm_linear for eager callers", py::arg("x"),
+        py::arg("gate"), py::arg("norm_weight"), py::arg("norm_bias"), py::arg("weight"), py::arg("bias"),
+        py::arg("eps"), py::arg("chunks"), py::arg("dtype"));
+  m.def("rows_linear", &gspn2::rows_linear_call, "gspn2::rows_linear for eager callers", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("skip_input"), py::arg("skip_scale"), py::arg("dtype"));
+  m.def("rows_gelu_linear", &gspn2::rows_gelu_linear_call, "gspn2::rows_gelu_linear for eager callers",
+        py::arg("h"), py::arg("weight"), py::arg("bias"));
   m.def("dwconv_plan", &gspn2::dwconv_plan, "The depthwise tile kernels' plan (dict)", py::arg("B"), py::arg("C"),
         py::arg("H"), py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("cols") = 4, py::arg("smem_limit") = 0);
 }

@@ -23,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "calls.h"
 #include "message.h"
 
 namespace gspn2 {
@@ -305,6 +306,33 @@ Tensor rows_gelu_linear_plain(const Tensor& h, const Tensor& weight, const std::
 }
 
 }  // namespace
+
+std::vector<at::Tensor> rows_norm_linear_call(const at::Tensor& x, const std::optional<at::Tensor>& gate,
+                                              const std::optional<at::Tensor>& norm_weight,
+                                              const std::optional<at::Tensor>& norm_bias, const at::Tensor& weight,
+                                              const std::optional<at::Tensor>& bias, double eps, int64_t chunks,
+                                              at::ScalarType dtype) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gspn2::rows_norm_linear", "")
+                             .typed<decltype(rows_norm_linear_call)>();
+  return op.call(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dtype);
+}
+
+at::Tensor rows_linear_call(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& skip_input, const std::optional<at::Tensor>& skip_scale,
+                            at::ScalarType dtype) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("gspn2::rows_linear", "").typed<decltype(rows_linear_call)>();
+  return op.call(x, weight, bias, skip_input, skip_scale, dtype);
+}
+
+at::Tensor rows_gelu_linear_call(const at::Tensor& h, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gspn2::rows_gelu_linear", "")
+                             .typed<decltype(rows_gelu_linear_call)>();
+  return op.call(h, weight, bias);
+}
+
 }  // namespace gspn2
 
 TORCH_LIBRARY_FRAGMENT(gspn2, m) {

@@ -62,6 +62,21 @@ def cpp_ops_available() -> bool:
     return _CPP_OPS
 
 
+_ROWS_OPS = ("rows_norm_linear", "rows_linear", "rows_gelu_linear")
+# op name -> (the extension's direct entry or None, the torch.ops overload)
+_ROWS_CALLS = (
+    {name: (_cuda.direct_call(name), getattr(torch.ops.gspn2, name).default) for name in _ROWS_OPS} if _CPP_OPS else {}
+)
+
+
+def _rows_call(name: str, *args):
+    """``torch.ops.gspn2.<name>(*args)``, through the extension's direct entry where that may replace it."""
+    direct, op = _ROWS_CALLS[name]
+    if direct is not None and _cuda.direct_call_allowed(args):
+        return direct(*args)
+    return op(*args)
+
+
 def _use_cpp() -> bool:
     """Whether this call takes the C++ op: built, allowed by the option, and not traced by Dynamo."""
     return _CPP_OPS and _options.current().eager_autograd == "auto" and not torch.compiler.is_compiling()
@@ -177,7 +192,7 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if _options.current().mlp == "fused":
         return _gelu_linear_op(h, weight.to(h.dtype), _cast(bias, h.dtype))
     if _use_cpp():
-        return torch.ops.gspn2.rows_gelu_linear(h, weight, bias)
+        return _rows_call("rows_gelu_linear", h, weight, bias)
     return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
 
 
@@ -239,7 +254,7 @@ def rows_linear(
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
-        return torch.ops.gspn2.rows_linear(x, weight, bias, skip_input, skip_scale, dt)
+        return _rows_call("rows_linear", x, weight, bias, skip_input, skip_scale, dt)
     if skip_input is not None and skip_scale is not None:
         skip_scale = skip_scale.to(skip_input.dtype)
     return _RowsLinear.apply(x.to(dt), weight.to(dt), _cast(bias, dt), skip_input, skip_scale)
@@ -331,7 +346,8 @@ def norm_linear(
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
-        return torch.ops.gspn2.rows_norm_linear(
+        return _rows_call(
+            "rows_norm_linear",
             x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt
         )
     outs = _NormLinear.apply(

@@ -85,6 +85,30 @@ def test_direct_propagate_is_the_op_on_cpu():
         direct(x, lam, gates, None, "fastest", 0)
 
 
+@built
+def test_direct_rows_ops_are_the_ops_on_cpu():
+    g = torch.Generator().manual_seed(0)
+    x, gate, skip = (torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    nw, nb, bias, scale = (torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(4))
+    weight = torch.randn(8, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    cases = {
+        "rows_norm_linear": (x, gate, nw, nb, weight, bias, 1e-6, 2, torch.float64),
+        "rows_linear": (x, weight, bias, skip, scale, torch.float64),
+        "rows_gelu_linear": (x, weight, None),
+    }
+    for name, args in cases.items():
+        direct, op = _cuda.direct_call(name), getattr(torch.ops.gspn2, name).default
+        outs = []
+        for call in (direct, op):
+            y = call(*args)
+            ys = list(y) if isinstance(y, (list, tuple)) else [y]
+            leaves = [a for a in args if isinstance(a, torch.Tensor)]
+            outs.append(ys + list(torch.autograd.grad(sum(t.sum() for t in ys), leaves)))
+        assert len(outs[0]) == len(outs[1])
+        for a, r in zip(*outs):
+            assert torch.equal(a, r), name
+
+
 def test_direct_calls_are_allowed_in_plain_eager_only():
     t = torch.ones(2)
     assert _cuda.direct_call_allowed((t, None))
