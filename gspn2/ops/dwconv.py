@@ -12,6 +12,9 @@ every other device runs ``F.conv2d`` / ``aten.convolution_backward`` with the au
 * ``gspn2::depthwise_conv2d(x, weight, bias, add_input, silu, kernel, cols) -> y`` (``y`` has ``x``'s strides)
 * ``gspn2::depthwise_conv2d_backward(grad_y, x, weight, has_bias, add_input, kernel, cols) -> (grad_x, grad_w, grad_b)``
 
+In plain eager code :func:`depthwise_conv2d` calls the op through the extension's direct entry
+(:func:`gspn2.ops._cuda.direct_call`), the same dispatcher op without ``torch.ops``' argument parsing.
+
 The kernels are *shared-memory tile* kernels (docs/kernel.md, "Depthwise convolution kernels"): a CTA stages
 an input tile with its halo once in shared memory and gives each thread 4 rows x ``cols`` (4 or 8) output
 pixels of one channel. ``kernel`` picks the backward (:data:`FAMILIES` names the choices): 0 (``tile``), an

@@ -9,7 +9,9 @@ Two ops live in the ``gspn2`` namespace:
 ignore them. Implementations:
 
 * CUDA: ``gspn2/csrc/propagate.cpp`` registers the fused kernels and their autograd formula in C++, so a
-  call runs no Python below ``torch.ops``. The checks live there.
+  call runs no Python below the op. The checks live there. In plain eager code :func:`gspn_propagate`
+  calls the op through the extension's direct entry (:func:`gspn2.ops._cuda.direct_call`), which skips
+  ``torch.ops``' argument parsing.
 * Every other device: the pure-PyTorch reference (:mod:`gspn2.ops.reference`), with the checks of
   :mod:`gspn2.ops._checks`, and the autograd formula below.
 * Fake tensors (``torch.compile``, ``torch.export``): the checks, then an empty output.
