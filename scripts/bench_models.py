@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -153,8 +154,14 @@ def environment() -> dict:
         "timm": timm.__version__,
         "python": platform.python_version(),
         "gspn2_backend": _gspn2_backend(),
+        "inductor_env": inductor_env(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def inductor_env() -> dict:
+    """The ``TORCHINDUCTOR_*`` environment variables of the run (Inductor's settings given that way), by name."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHINDUCTOR_")}
 
 
 def _gspn2_backend() -> str:
@@ -174,7 +181,9 @@ def to_markdown(results: list[Result], env: dict) -> str:
     lines = [
         f"GPU {env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), timm {env['timm']}, "
         f"bf16 autocast, channels_last. gspn2 backend: {env['gspn2_backend']}."
-        + (f" torch._functorch.config: {env['aot_config']}." if env.get("aot_config") else ""),
+        + (f" torch._functorch.config: {env['aot_config']}." if env.get("aot_config") else "")
+        + (" Inductor: " + ", ".join(f"{k}={v}" for k, v in env["inductor_env"].items()) + "."
+           if env.get("inductor_env") else ""),
         "",
         "| model | params (M) | task | mode | res | batch | img/s | ms/iter | peak mem (GB) |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -46,13 +46,23 @@ def test_environment_names_the_gspn2_backend(bench):
     assert "backend=auto" in described and "kernel=general" in described and "dwconv=cudnn" in described
 
 
+def test_environment_names_inductor_settings(bench, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")
+    monkeypatch.setenv("GSPN2_KERNEL", "auto")
+    got = bench.inductor_env()
+    assert got["TORCHINDUCTOR_MIX_ORDER_REDUCTION"] == "0" and got["TORCHINDUCTOR_ENABLE_PDL"] == "1"
+    assert all(k.startswith("TORCHINDUCTOR_") for k in got)
+
+
 def test_results_round_trip_through_json_and_render_without_a_gpu(bench, tmp_path, monkeypatch):
     R = bench.Result
     results = [
         R("gspn2_tiny", task, mode, res, 8, 24.1, img_per_s=100.0 + res, ms_per_iter=1.0, peak_mem_gb=1.0)
         for task, res in (("infer", 224), ("infer", 1024), ("train", 224)) for mode in ("eager", "compile-ro")
     ] + [R("convnext_tiny", "infer", "eager", 224, 8, 28.6, img_per_s=200.0, ms_per_iter=1.0, peak_mem_gb=2.0)]
-    env = dict(gpu="GPU", torch="2", cuda="13", timm="1", gspn2_backend="cuda")
+    env = dict(gpu="GPU", torch="2", cuda="13", timm="1", gspn2_backend="cuda",
+               inductor_env={"TORCHINDUCTOR_ENABLE_PDL": "1"})
     path = tmp_path / "run.json"
     monkeypatch.setattr("sys.argv", ["bench_models.py"])
     bench.save_json(str(path), env, bench.argparse.Namespace(models=["gspn2_tiny"]), results)
@@ -63,3 +73,4 @@ def test_results_round_trip_through_json_and_render_without_a_gpu(bench, tmp_pat
     bench.main()  # no GPU needed
     assert plot.stat().st_size > 1000
     assert "gspn2_tiny / convnext_tiny [infer, eager, 224^2]: 1.62x throughput, 0.50x peak memory" in md.read_text()
+    assert "Inductor: TORCHINDUCTOR_ENABLE_PDL=1." in md.read_text()
