@@ -21,7 +21,9 @@ import re
 from typing import Dict, List, Tuple
 
 # A kernel's name, then its byte count before the next kernel's name.
-_NUM_GB = re.compile(r"kernel_name': '(triton_[a-z0-9_]+)'(?:(?!kernel_name').)*?kernel_num_gb': ([0-9.eE+-]+)", re.S)
+_NUM_GB = re.compile(
+    r"kernel_name': '(triton_[a-z0-9_]+)'(?:(?!kernel_name').)*?kernel_num_gb': ([0-9.eE+-]+)", re.S
+)
 
 
 def kernel_gb(code: str) -> Dict[str, float]:

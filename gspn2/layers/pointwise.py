@@ -64,9 +64,9 @@ def cpp_ops_available() -> bool:
 
 _ROWS_OPS = ("rows_norm_linear", "rows_linear", "rows_gelu_linear")
 # op name -> (the extension's direct entry or None, the torch.ops overload)
-_ROWS_CALLS = (
-    {name: (_cuda.direct_call(name), getattr(torch.ops.gspn2, name).default) for name in _ROWS_OPS} if _CPP_OPS else {}
-)
+_ROWS_CALLS = {
+    name: (_cuda.direct_call(name), getattr(torch.ops.gspn2, name).default) for name in (_ROWS_OPS if _CPP_OPS else ())
+}
 
 
 def _rows_call(name: str, *args):

@@ -124,3 +124,16 @@ def check_backward_inputs(grad_h: torch.Tensor, x: torch.Tensor, h: torch.Tensor
             raise ValueError(f"gspn2: `{name}` must have shape (B, 4, C, H, W) = {(B, 4, C, H, W)}, got {tuple(t.shape)}")
         if t.dtype != x.dtype or t.device != x.device:
             raise ValueError(f"gspn2: `{name}` must match `x` in dtype and device, got {t.dtype} on {t.device}")
+
+
+def refuse_forward_ad(op: str, **tensors) -> None:
+    """Raise ``NotImplementedError`` naming the argument if a tensor carries a forward-mode AD tangent: the
+    ops have reverse-mode formulas only, and the Python autograd registration would otherwise return an
+    output without its tangent. Free outside ``torch.autograd.forward_ad.dual_level()``."""
+    if torch.autograd.forward_ad._current_level < 0:
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{op}: `{name}` carries a forward-mode AD tangent; the op supports reverse-mode autograd only"
+            )

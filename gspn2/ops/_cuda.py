@@ -22,8 +22,8 @@ import torch
 from gspn2.ops import options as _options
 
 __all__ = [
-    "BUILD_HINT", "describe", "direct_call", "direct_call_allowed", "dwconv_plan", "dwconv_tma", "extension_available",
-    "extension_error", "limits", "plan", "raise_build_hint", "require_extension",
+    "BUILD_HINT", "describe", "direct_call", "direct_call_allowed", "dwconv_plan", "dwconv_tma",
+    "extension_available", "extension_error", "limits", "plan", "raise_build_hint", "require_extension",
 ]
 
 log = logging.getLogger("gspn2.ops")

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from gspn2.ops import _cuda
 from gspn2.ops import options as _options
 from gspn2.ops._amp import autocast_enabled, cast_optional
-from gspn2.ops._checks import check_tensor, refuse_nested
+from gspn2.ops._checks import check_tensor, refuse_forward_ad, refuse_nested
 
 __all__ = [
     "AUTO_KERNEL_SIZES",
@@ -333,6 +333,8 @@ _OP = torch.ops.gspn2.depthwise_conv2d.default
 
 
 def _dwconv(x, weight, bias, add_input, silu):
+    # Only the op lacks forward mode (the cuDNN and stencil paths have it).
+    refuse_forward_ad("depthwise_conv2d", x=x, weight=weight, bias=bias)
     kernel, cols = _variant(weight.shape[-1])
     if _DIRECT is not None and _cuda.direct_call_allowed((x, weight, bias)):
         return _DIRECT(x, weight, bias, add_input, silu, kernel, cols)

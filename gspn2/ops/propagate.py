@@ -31,6 +31,7 @@ from gspn2.ops._checks import (
     check_kernel_type,
     check_options,
     check_propagate_inputs,
+    refuse_forward_ad,
     refuse_nested,
 )
 from gspn2.ops.reference import gspn_propagate_backward_ref, gspn_propagate_ref
@@ -159,6 +160,7 @@ def gspn_propagate(
         for name, t in (("x", x), ("lam", lam), ("gates", gates)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"gspn_propagate: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    refuse_forward_ad("gspn_propagate", x=x, lam=lam, gates=gates)  # the reference above has it
     if _DIRECT is not None and _cuda.direct_call_allowed((x, lam, gates)):
         return _DIRECT(x, lam, gates, chunk, kernel, opts.cluster_ctas)
     return _OP(x, lam, gates, chunk, kernel, opts.cluster_ctas)

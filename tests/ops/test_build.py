@@ -118,13 +118,6 @@ def test_cluster_kernel_choice():
         _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True, cluster_ctas=2)
 
 
-@pytest.fixture(autouse=True)
-def _restore_options():
-    saved = options.current()
-    yield
-    options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
-
-
 def test_options_parse_the_environment_once_and_strictly():
     assert options.from_env({}) == options.Options()
     got = options.from_env(

@@ -17,13 +17,6 @@ pytestmark = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def _restore_options():
-    saved = options.current()
-    yield
-    options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
-
-
 # float32: relative error ||kernel - ref64|| / ||ref64|| allowed per output, kept in one place.
 FP32_TOL = {"h": 1e-5, "grad_x": 2e-5, "grad_lam": 2e-5, "grad_gates": 1e-4}
 # bf16 / fp16: kernel error <= LOWP_FACTOR x (error of the reference computed in that dtype) + LOWP_SLACK.

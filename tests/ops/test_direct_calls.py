@@ -27,13 +27,6 @@ built = pytest.mark.skipif(
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _restore_options():
-    saved = options.current()
-    yield
-    options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
-
-
 def test_direct_call_names_are_validated():
     with pytest.raises(ValueError, match="`name` must be one of"):
         _cuda.direct_call("plan")
@@ -162,6 +155,27 @@ def test_without_the_extension_cuda_calls_raise_the_build_hint():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "lam"])
+def test_forward_mode_ad_is_refused_by_name(name):
+    """The ops have reverse-mode formulas only: a forward-mode tangent raises instead of vanishing."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w, b = torch.randn(1, 4, 6, 6), torch.randn(4, 1, 3, 3), torch.randn(4)
+    xp, lam, gates = make_inputs(1, 2, 5, 4, 1, dtype=torch.float32)
+    with fwAD.dual_level():
+        if name == "lam":
+            lam = fwAD.make_dual(lam, torch.randn_like(lam))
+            with pytest.raises(NotImplementedError, match="`lam` carries a forward-mode AD tangent"):
+                gspn_propagate(xp, lam, gates)
+        else:
+            args = {"x": x, "weight": w}
+            args[name] = fwAD.make_dual(args[name], torch.randn_like(args[name]))
+            with pytest.raises(NotImplementedError, match=f"`{name}` carries a forward-mode AD tangent"):
+                depthwise_conv2d(args["x"], args["weight"], b, True)
+    # outside a dual level the same call runs
+    assert depthwise_conv2d(x, w, b, True).shape == x.shape
 
 
 # ---- GPU ----

@@ -21,13 +21,6 @@ from gspn2.ops import dwconv as D
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _restore_options():
-    saved = options.current()
-    yield
-    options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
-
-
 def _set_variant(variant):
     """``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS): the input- and weight-gradient kernels
     (kernel 0) or the one-pass backward (1), with ``cols`` output columns per thread."""
