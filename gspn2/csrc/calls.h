@@ -1,18 +1,33 @@
-// Direct eager entries of gspn2's ops for Python (bound in propagate.cpp as gspn2._C.<op>): the typed
+// The host side shared by the op registrations: when the CUDA autograd kernels record a node, and the direct
+// eager entries of gspn2's ops for Python (bound in propagate.cpp as gspn2._C.<op>): the typed
 // dispatcher calls of gspn2::propagate, gspn2::depthwise_conv2d and the GEMM chains gspn2::rows_*. Every
-// dispatch key (autograd, tracing, fake tensors, dispatch modes) sees the same op as through torch.ops; what
-// they skip is torch.ops' boxed argument parsing. Dynamo cannot trace them: gspn2/ops calls torch.ops while
-// compiling.
+// dispatch key (autograd, fake tensors, dispatch modes) sees the same op as through torch.ops; what they skip
+// is torch.ops' boxed argument parsing. Dynamo cannot trace them and torch.jit.trace records torch.ops calls
+// only: there gspn2/ops calls torch.ops (gspn2.ops._cuda.direct_call_allowed).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace gspn2 {
+
+// Whether an op's CUDA autograd kernel records its node: grad mode is on and an input requires grad, or an
+// input carries a forward-mode tangent (the node's forward-mode formula then raises, since the C++ custom
+// Function has none, instead of the output silently dropping the tangent). Null entries: absent inputs.
+inline bool wants_autograd(std::initializer_list<const at::Tensor*> inputs) {
+  const bool grad_mode = at::GradMode::is_enabled();
+  for (const at::Tensor* t : inputs) {
+    if (t == nullptr || !t->defined()) continue;
+    if ((grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return false;
+}
 
 at::Tensor propagate_call(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
                           std::optional<int64_t> chunk, const std::string& kernel, int64_t cluster_ctas);

@@ -200,9 +200,6 @@ using ForwardOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::op
 using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                   const at::Tensor&, bool, bool, int64_t, int64_t);
 
-// Whether `t` carries a forward-mode AD tangent.
-bool has_tangent(const at::Tensor& t) { return t._fw_grad(/*level=*/0).defined(); }
-
 const c10::TypedOperatorHandle<ForwardOp>& forward_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("gspn2::depthwise_conv2d", "").typed<ForwardOp>();
@@ -249,16 +246,11 @@ class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
   }
 };
 
-// Records the autograd node only where a gradient is wanted; otherwise calls the kernel directly, as aten's
-// own ops do (no node, no saved tensors). Inputs with a forward-mode tangent keep the node, whose forward-mode
-// formula raises (the C++ custom Function has none) instead of the output silently dropping the tangent.
+// Records the autograd node only where it is wanted (calls.h); otherwise calls the kernel directly, as aten's
+// own ops do (no node, no saved tensors).
 at::Tensor dwconv_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            bool add_input, bool silu, int64_t kernel, int64_t cols) {
-  const bool has_bias = bias.has_value() && bias->defined();
-  const bool records = at::GradMode::is_enabled() &&
-                       (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
-  const bool wants_grad = records || has_tangent(x) || has_tangent(weight) || (has_bias && has_tangent(*bias));
-  if (!wants_grad) {
+  if (!wants_autograd({&x, &weight, bias.has_value() ? &*bias : nullptr})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return forward_op().call(x, weight, bias, add_input, silu, kernel, cols);
   }

@@ -479,16 +479,11 @@ class PropagateFunction : public torch::autograd::Function<PropagateFunction> {
   }
 };
 
-// Records the autograd node only where a gradient is wanted; otherwise calls the kernels directly, as aten's
-// own ops do. Inputs with a forward-mode tangent keep the node, whose forward-mode formula raises (the C++
-// custom Function has none) instead of the output silently dropping the tangent.
+// Records the autograd node only where it is wanted (calls.h); otherwise calls the kernels directly, as aten's
+// own ops do.
 at::Tensor propagate_autograd(const at::Tensor& x, const at::Tensor& lam, const at::Tensor& gates,
                               std::optional<int64_t> chunk, c10::string_view kernel, int64_t cluster_ctas) {
-  const auto tangent = [](const at::Tensor& t) { return t._fw_grad(/*level=*/0).defined(); };
-  const bool wants_grad =
-      (at::GradMode::is_enabled() && (x.requires_grad() || lam.requires_grad() || gates.requires_grad())) ||
-      tangent(x) || tangent(lam) || tangent(gates);
-  if (!wants_grad) {
+  if (!wants_autograd({&x, &lam, &gates})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return propagate_op().call(x, lam, gates, chunk, kernel, cluster_ctas);
   }
