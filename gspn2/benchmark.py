@@ -17,8 +17,8 @@ from gspn2.ops.dwconv import FAMILIES
 from gspn2.ops.options import DWCONV_TILE_COLS
 
 __all__ = [
-    "DWCONV_VARIANTS", "aot_config", "copy_bandwidth", "cudagraph_ms", "dwconv_shapes", "dwconv_variant_options", "fused_op_args",
-    "fwd_and_fwd_bwd_ms", "graph_ms", "median_ms", "parse_image_size",
+    "DWCONV_VARIANTS", "TINY_STAGES", "aot_config", "copy_bandwidth", "cudagraph_ms", "dwconv_shapes", "dwconv_variant_options", "fused_op_args",
+    "fwd_and_fwd_bwd_ms", "graph_ms", "median_ms", "parse_image_size", "selected_stages",
 ]
 
 
@@ -37,19 +37,32 @@ def copy_bandwidth() -> float:
 
 
 def fused_op_args(script: str, description: str, argv=None) -> argparse.Namespace:
-    """The arguments of a fused-op benchmark (``--batch``, ``--dtype``, ``--sweep``, ``--json``), checked before
-    anything runs; exits naming ``script`` without a CUDA GPU."""
+    """The arguments of a fused-op benchmark (``--batch``, ``--dtype``, ``--sweep``, ``--json``, ``--sides``),
+    checked before anything runs; exits naming ``script`` without a CUDA GPU."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels over launch configurations")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--sides", type=int, nargs="+", default=None, metavar="SIDE",
+                        help="only the stages with these feature-map sides (56, 28, 14, 7); default: all four")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
+    if args.sides is not None and not set(args.sides) <= {56, 28, 14, 7}:
+        parser.error(f"--sides takes 56, 28, 14 and 7 (gspn2_tiny's stages at 224^2), got {args.sides}")
     if not torch.cuda.is_available():
         raise SystemExit(f"{script} needs a CUDA GPU")
     return args
+
+
+#: gspn2_tiny's stages at 224^2: (side of the feature map, channels C) (the fused-op benchmarks' shapes).
+TINY_STAGES = ((56, 80), (28, 160), (14, 320), (7, 640))
+
+
+def selected_stages(sides) -> list[tuple[int, int]]:
+    """The ``(side, C)`` entries of :data:`TINY_STAGES` whose side is in ``sides`` (all of them for None)."""
+    return [st for st in TINY_STAGES if sides is None or st[0] in sides]
 
 
 def cudagraph_ms(fn: Callable[[], object]) -> float:

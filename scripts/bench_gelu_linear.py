@@ -27,10 +27,8 @@ import sys
 
 import torch
 
-from gspn2.benchmark import cudagraph_ms, fused_op_args, fwd_and_fwd_bwd_ms
+from gspn2.benchmark import cudagraph_ms, fused_op_args, fwd_and_fwd_bwd_ms, selected_stages
 
-#: gspn2_tiny: (side of the feature map at 224^2, C); the MLP's hidden width is 4 C.
-STAGES = ((56, 80), (28, 160), (14, 320), (7, 640))
 
 
 def _forward_configs(N: int, K: int):
@@ -99,7 +97,7 @@ def main(argv=None) -> None:
     rate = copy_bandwidth()
     print(f"copy rate {rate / 1e12:.2f} TB/s", flush=True)
     rows, sweep = [], []
-    for side, C in STAGES:
+    for side, C in selected_stages(args.sides):
         M, K, N = args.batch * side * side, 4 * C, C
         g = torch.Generator(device="cuda").manual_seed(0)
         h = (torch.randn(M, K, generator=g, device="cuda")).to(dtype).requires_grad_()

@@ -27,10 +27,8 @@ import sys
 
 import torch
 
-from gspn2.benchmark import cudagraph_ms, fused_op_args, fwd_and_fwd_bwd_ms
+from gspn2.benchmark import cudagraph_ms, fused_op_args, fwd_and_fwd_bwd_ms, selected_stages
 
-#: gspn2_tiny: (side of the feature map at 224^2, C); the mixer's hidden width is 1.5 C.
-STAGES = ((56, 80), (28, 160), (14, 320), (7, 640))
 R = 8
 
 
@@ -97,7 +95,7 @@ def main(argv=None) -> None:
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     rows, sweep = [], []
-    for side, C in STAGES:
+    for side, C in selected_stages(args.sides):
         N, E = args.batch * side * side, int(round(1.5 * C))
         a, p = _inputs(N, E, C, dtype)
         leaves = [*a.values(), *p.values()]

@@ -155,6 +155,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "gspn2_backend": _gspn2_backend(),
         "inductor_env": inductor_env(),
+        "gspn2_options": gspn2_options(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
@@ -162,6 +163,15 @@ def environment() -> dict:
 def inductor_env() -> dict:
     """The ``TORCHINDUCTOR_*`` environment variables of the run (Inductor's settings given that way), by name."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHINDUCTOR_")}
+
+
+def gspn2_options() -> dict:
+    """gspn2's op options in force (:mod:`gspn2.ops.options`: from its ``GSPN2_*`` variables), by name."""
+    import dataclasses
+
+    from gspn2.ops import options
+
+    return dataclasses.asdict(options.current())
 
 
 def _gspn2_backend() -> str:
@@ -183,7 +193,9 @@ def to_markdown(results: list[Result], env: dict) -> str:
         f"bf16 autocast, channels_last. gspn2 backend: {env['gspn2_backend']}."
         + (f" torch._functorch.config: {env['aot_config']}." if env.get("aot_config") else "")
         + (" Inductor: " + ", ".join(f"{k}={v}" for k, v in env["inductor_env"].items()) + "."
-           if env.get("inductor_env") else ""),
+           if env.get("inductor_env") else "")
+        + (" gspn2 options: " + ", ".join(f"{k}={v}" for k, v in env["gspn2_options"].items()) + "."
+           if env.get("gspn2_options") else ""),
         "",
         "| model | params (M) | task | mode | res | batch | img/s | ms/iter | peak mem (GB) |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -35,6 +35,8 @@ from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 from gspn2.ops import options as _options
 from gspn2.ops.gelu_gemm import gelu_linear as _gelu_linear_op
+from gspn2.ops.norm_backward import norm_gate_backward
+from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
 __all__ = [
     "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows", "gelu_linear", "norm_linear",
@@ -262,7 +264,9 @@ def rows_linear(
 
 class _NormLinear(torch.autograd.Function):
     """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias)`` in ``chunks`` outputs, saving ``x``, its
-    statistics and ``gate``; the normalised ``x`` is recomputed in backward."""
+    statistics and ``gate``; the normalised ``x`` is recomputed in backward. With a gate, one output and the
+    option ``norm_backward="fused"`` on CUDA, the backward between its two GEMMs is one
+    :func:`~gspn2.ops.norm_gate_backward`."""
 
     @staticmethod
     def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks):
@@ -288,6 +292,9 @@ class _NormLinear(torch.autograd.Function):
         grad_x = grad_gate = grad_nw = grad_nb = grad_w = grad_b = None
         grads = [torch.zeros(g_shape, dtype=weight.dtype, device=weight.device) if g is None else g
                  for g, g_shape in zip(grad_outs, [(x.shape[0], w.shape[0]) for w in weights])]
+        if (gate is not None and ctx.chunks == 1 and norm_weight is not None and norm_bias is not None
+                and _fused_norm_backward(x)):
+            return _NormLinear._fused_backward(ctx, grads[0], x, gate, norm_weight, norm_bias, mean, rstd, weight)
         with autocast_off(x.device.type):
             # The same kernel on the same input as in forward: bitwise the forward's normalised x.
             n = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, ctx.eps)[0]
@@ -315,6 +322,29 @@ class _NormLinear(torch.autograd.Function):
                         grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
                     )
         return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None
+
+    @staticmethod
+    def _fused_backward(ctx, grad_out, x, gate, norm_weight, norm_bias, mean, rstd, weight):
+        """The gated norm's backward as one :func:`~gspn2.ops.norm_gate_backward` between the two GEMMs: the
+        input gradient of the GEMM, then the op (which also recomputes the GEMM's input for its weight
+        gradient)."""
+        need = ctx.needs_input_grad
+        with autocast_off(x.device.type):
+            grad_m = grad_out @ weight
+            grad_x, grad_gate, grad_nw, grad_nb, m = norm_gate_backward(
+                grad_m, x, gate, mean.reshape(-1), rstd.reshape(-1), norm_weight, norm_bias
+            )
+            grad_w = grad_out.t() @ m if need[4] else None
+            grad_b = grad_out.sum(0) if ctx.has_bias and need[5] else None
+        return (grad_x if need[0] else None, grad_gate if need[1] else None, grad_nw if need[2] else None,
+                grad_nb if need[3] else None, grad_w, grad_b, None, None)
+
+
+def _fused_norm_backward(x: torch.Tensor) -> bool:
+    """Whether the gated norm's backward takes :func:`~gspn2.ops.norm_gate_backward`: CUDA rows, Triton
+    present, and the option ``norm_backward="fused"`` (read when the backward is traced; ``auto`` keeps the
+    separate ops, measured faster in the compiled step)."""
+    return x.is_cuda and _norm_triton_available() and _options.current().norm_backward == "fused"
 
 
 @torch.jit.unused

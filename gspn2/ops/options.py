@@ -30,6 +30,10 @@ environment         option                               values
                     output chain (proj_up, skip, norm,   then the norm and gate fused into out_proj
                     gate)                                (measured faster); ``fused``: one
                                                          ``gspn2.ops.merge_norm_gate``, then out_proj
+``GSPN2_NORM_``     ``norm_backward``: the backward of   ``auto`` / ``separate``: plain ops (Inductor
+``BACKWARD``        the training mixer's gated norm      fuses them under ``torch.compile``; measured
+                    (``LN(y) * silu(z)`` before          faster); ``fused``: on CUDA one
+                    out_proj)                            ``gspn2.ops.norm_gate_backward`` (a Triton kernel)
 ``GSPN2_MLP``       ``mlp``: the training MLP's          ``auto`` / ``separate``: GELU as its own op
                     ``fc2(gelu(h))``                     before the fc2 GEMM (Inductor fuses it with its
                                                          neighbours); ``fused``: one
@@ -63,6 +67,7 @@ __all__ = [
     "KERNEL_ENV",
     "MERGE_ENV",
     "MLP_ENV",
+    "NORM_BACKWARD_ENV",
     "Options",
     "backend",
     "current",
@@ -78,6 +83,7 @@ KERNEL_ENV = "GSPN2_KERNEL"
 DWCONV_ENV = "GSPN2_DWCONV"
 MERGE_ENV = "GSPN2_MERGE"
 MLP_ENV = "GSPN2_MLP"
+NORM_BACKWARD_ENV = "GSPN2_NORM_BACKWARD"
 EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
@@ -96,6 +102,7 @@ _CHOICES = {
     "dwconv_kernel": DWCONV_KERNELS,
     "merge": FORMULATIONS,
     "mlp": FORMULATIONS,
+    "norm_backward": FORMULATIONS,
     "eager_autograd": ("auto", "python"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
@@ -105,6 +112,7 @@ _ENV = {
     "dwconv": DWCONV_ENV,
     "merge": MERGE_ENV,
     "mlp": MLP_ENV,
+    "norm_backward": NORM_BACKWARD_ENV,
     "eager_autograd": EAGER_AUTOGRAD_ENV,
 }
 
@@ -121,6 +129,7 @@ class Options:
     dwconv_tile_cols: int = 4
     merge: str = "auto"
     mlp: str = "auto"
+    norm_backward: str = "auto"
     eager_autograd: str = "auto"
 
     def __post_init__(self) -> None:

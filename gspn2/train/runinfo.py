@@ -39,6 +39,7 @@ def backend_info(device: torch.device) -> dict[str, object]:
         "dwconv_backend": dwconv,
         "merge": current().merge,
         "mlp": current().mlp,
+        "norm_backward": current().norm_backward,
         "eager_autograd": current().eager_autograd,
         "extension_built": extension_available(),
     }
@@ -52,7 +53,7 @@ def describe(info: dict[str, object]) -> str:
     return (
         f"gspn2 op: {info['op']} (GSPN2_BACKEND={info['op_backend']}{family}), "
         f"depthwise conv: GSPN2_DWCONV={info['dwconv_backend']}, GSPN2_MERGE={info['merge']}, "
-        f"GSPN2_MLP={info['mlp']}, GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
+        f"GSPN2_MLP={info['mlp']}, GSPN2_NORM_BACKWARD={info['norm_backward']}, GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
         f"extension built: {info['extension_built']}"
     )
 
