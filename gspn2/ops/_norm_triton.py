@@ -20,11 +20,12 @@ import triton.language as tl
 
 def config(E: int) -> dict:
     """Default launch configuration for rows of ``E`` channels: ``block_e`` (``E`` padded to a power of two),
-    ``block_m`` (rows per step, about 2048 tile elements), ``num_warps`` (about 16 tile elements per thread),
-    ``num_stages`` (the row loop's software-pipelining depth) and ``per_sm`` (programs per SM)."""
+    ``block_m`` (rows per step, about 1024 tile elements), ``num_warps`` (8: about 4 tile elements per thread),
+    ``num_stages`` (the row loop's software-pipelining depth) and ``per_sm`` (programs per SM). The fastest of
+    ``scripts/bench_norm_backward.py --sweep`` at E = 480 (docs/benchmarks.md)."""
     block_e = max(16, triton.next_power_of_2(E))
-    block_m = max(1, 2048 // block_e)
-    return {"block_e": block_e, "block_m": block_m, "num_warps": 4, "num_stages": 1, "per_sm": 8}
+    block_m = max(1, 1024 // block_e)
+    return {"block_e": block_e, "block_m": block_m, "num_warps": 8, "num_stages": 1, "per_sm": 8}
 
 
 @triton.jit
