@@ -9,7 +9,9 @@ work and two row sums per row::
     grad_y = LayerNorm backward of grad_n                                    (and the norm's weight, bias)
 
 This op reads ``grad``, ``y`` and ``z`` once and writes ``grad_y``, ``grad_z`` and ``m`` (the input of
-``out_proj``'s weight gradient) once, where the separate ops read and write each several times.
+``out_proj``'s weight gradient) once. Eagerly the separate ops read and write each several times; under
+``torch.compile`` Inductor fuses them into one reduction kernel as well, and keeps ``m`` from the forward
+instead of recomputing it (docs/benchmarks.md, "The gated norm's backward as one op").
 
 ``gspn2::norm_gate_backward(grad, x, gate, mean, rstd, norm_weight, norm_bias) -> (grad_x, grad_gate,
 grad_norm_weight, grad_norm_bias, normed)``, all rows ``(N, E)`` but the ``(N,)`` float32 statistics and the
@@ -18,8 +20,8 @@ grad_norm_weight, grad_norm_bias, normed)``, all rows ``(N, E)`` but the ``(N,)`
 Implementations: on CUDA for float32, float16 and bfloat16 rows the Triton kernel of
 :mod:`gspn2.ops._norm_triton` (float32 arithmetic; the parameter gradients as per-program partial sums added
 in a fixed order: deterministic); everywhere else (and for float64) :func:`norm_gate_backward_ref`, the same
-formulas in PyTorch. The training mixer takes it in the backward of its gated norm under the option
-``norm_backward`` (:mod:`gspn2.ops.options`).
+formulas in PyTorch. The training mixer takes it in the backward of its gated norm with the option
+``norm_backward="fused"`` (:mod:`gspn2.ops.options`; ``auto`` keeps the separate ops, measured faster).
 """
 
 from __future__ import annotations
