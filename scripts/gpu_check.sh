@@ -10,7 +10,8 @@
 # Stages:
 #   build         compile gspn2._C in place for this GPU's architecture (incremental) and import it
 #   test          pytest on the CUDA tests (tests/ops/test_cuda.py, test_build.py, test_dwconv.py, test_merge.py,
-#                 test_gelu_linear.py, test_op.py, tests/layers/test_pointwise.py,
+#                 test_gelu_linear.py, test_norm_backward.py, test_direct_calls.py, test_op.py,
+#                 tests/layers/test_pointwise.py,
 #                 tests/models/test_gspn2_cuda.py, tests/train/test_gpu_data_cuda.py, test_compile_modes_cuda.py)
 #   sanitize      compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py (op, cluster on sm_90,
 #                 dwconv); skipped when compute-sanitizer is not installed
@@ -21,6 +22,8 @@
 #   bench-dwconv  scripts/bench_dwconv.py: the depthwise kernel against cuDNN on gspn2_tiny's shapes
 #   bench-merge   scripts/bench_merge.py --sweep: the mixer's output chain as one op against separate ops
 #   bench-gelu-linear  scripts/bench_gelu_linear.py --sweep: the MLP's fc2(gelu(h)) as one op against separate ops
+#   bench-norm-backward  scripts/bench_norm_backward.py --sweep: the mixer's gated-norm backward as one op against
+#                 the compiled separate ops
 #   bench-models  scripts/bench_models.py: $MODELS side by side (BENCH_ARGS, default "--modes eager")
 #   profile       scripts/profile_model.py: per-operator CUDA time of gspn2_tiny's training step and inference
 #   ddp           scripts/bench_ddp.py under torchrun on 1 GPU and on every GPU (needs 2 or more)
@@ -45,7 +48,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STAGES=(build test sanitize bench-op bench-cluster bench-dwconv bench-merge bench-gelu-linear bench-models profile ddp ncu)
+ALL_STAGES=(build test sanitize bench-op bench-cluster bench-dwconv bench-merge bench-gelu-linear bench-norm-backward bench-models profile ddp ncu)
 DEFAULT_STAGES=(build test sanitize bench-op bench-dwconv bench-models)
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -161,7 +164,8 @@ stage_build() {
 stage_test() {
   run_stage test pytest_cuda.log "$PY" -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/ops/test_cuda.py tests/ops/test_build.py tests/ops/test_dwconv.py tests/ops/test_merge.py \
-    tests/ops/test_gelu_linear.py tests/ops/test_op.py tests/layers/test_pointwise.py \
+    tests/ops/test_gelu_linear.py tests/ops/test_norm_backward.py tests/ops/test_direct_calls.py tests/ops/test_op.py \
+    tests/layers/test_pointwise.py \
     tests/models/test_gspn2_cuda.py \
     tests/train/test_gpu_data_cuda.py tests/train/test_compile_modes_cuda.py
 }
@@ -205,6 +209,11 @@ stage_bench_merge() {
 
 stage_bench_gelu_linear() {
   run_stage bench-gelu-linear bench_gelu_linear.log "$PY" scripts/bench_gelu_linear.py --sweep --json "$OUT/bench_gelu_linear.json"
+}
+
+stage_bench_norm_backward() {
+  run_stage bench-norm-backward bench_norm_backward.log "$PY" scripts/bench_norm_backward.py --sweep \
+    --json "$OUT/bench_norm_backward.json"
 }
 
 stage_bench_models() {
@@ -253,6 +262,7 @@ for stage in "${STAGES[@]}"; do
     bench-dwconv) stage_bench_dwconv ;;
     bench-merge) stage_bench_merge ;;
     bench-gelu-linear) stage_bench_gelu_linear ;;
+    bench-norm-backward) stage_bench_norm_backward ;;
     bench-models) stage_bench_models ;;
     profile) stage_profile ;;
     ddp) stage_ddp ;;
