@@ -28,15 +28,20 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("merge,mlp", [("auto", "auto"), ("fused", "auto"), ("auto", "fused")])
+@pytest.mark.parametrize(
+    "merge,mlp,norm_backward", [("auto", "auto", "auto"), ("fused", "auto", "auto"), ("auto", "fused", "auto"),
+                                ("auto", "auto", "fused")]
+)
 @pytest.mark.parametrize("name,shape", [("gspn2_micro", (4, 3, 64, 48)), ("gspn2_tiny", (8, 3, 224, 224))])
-def test_model_matches_the_oracle(name, shape, merge, mlp, no_tf32):
+def test_model_matches_the_oracle(name, shape, merge, mlp, norm_backward, no_tf32):
     """channels_last, same weights: in fp32 (TF32 off) the logits, the input gradient and every parameter
     gradient agree to 1e-4 of their largest magnitude, in eval and train mode; under bf16 autocast the
     model's error against the fp32 oracle is at most 4x the oracle's own bf16 error + 2e-2 (its LayerNorms run
     in bf16, the oracle's in fp32). Both formulations of the training mixer's output chain (option
-    ``merge``) and of the MLP's second GEMM (option ``mlp``)."""
-    with options.override(merge=merge, mlp=mlp):
+    ``merge``), of the MLP's second GEMM (option ``mlp``) and of the gated norm's backward (option
+    ``norm_backward``, which the Python autograd functions take: ``eager_autograd="python"``)."""
+    eager_autograd = "python" if norm_backward == "fused" else "auto"
+    with options.override(merge=merge, mlp=mlp, norm_backward=norm_backward, eager_autograd=eager_autograd):
         _check_against_the_oracle(name, shape)
 
 
