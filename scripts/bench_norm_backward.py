@@ -92,7 +92,7 @@ def main(argv=None) -> None:
         print(f"{side}^2 N={N} E={E}: " + ", ".join(f"{v} {t[0]:.4f} / {t[1]:.4f}" for v, t in times.items())
               + f" ms; op {op:.4f} ms (floor {floor:.4f})", flush=True)
         if args.sweep:
-            for scale, warps, stages, per_sm in itertools.product((0.5, 1, 2), (4, 8), (1, 2), (4, 8, 16)):
+            for scale, warps, stages, per_sm in itertools.product((0.5, 1, 2, 4), (4, 8), (1, 2), (4, 8, 16)):
                 block_m = int(cfg["block_m"] * scale)
                 if block_m < 1 or block_m * cfg["block_e"] < 32 * warps:
                     continue
