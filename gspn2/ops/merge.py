@@ -231,7 +231,8 @@ def _backward_reference(grad_out, x, weight, bias, skip_input, skip, norm_weight
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """The SMs of CUDA device ``index`` (cached: the Triton ops' launchers size their grids by it)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -240,7 +241,7 @@ def row_programs(device: torch.device, N: int, E: int, cfg: dict, per_sm: int = 
     programs per SM in all (as many as stay resident with the default configuration)."""
     blocks = -(-N // cfg["bwd_block_m"])
     chunks = -(-E // cfg["chunk_e"])
-    return max(1, min((blocks + 1) // 2, per_sm * _sm_count(device.index) // chunks))
+    return max(1, min((blocks + 1) // 2, per_sm * sm_count(device.index) // chunks))
 
 
 def triton_backward(grad_out, x, weight, bias, skip_input, skip, norm_weight, norm_bias, gate, mean, rstd, cfg,

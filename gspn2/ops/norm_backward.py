@@ -26,12 +26,11 @@ formulas in PyTorch. The training mixer takes it in the backward of its gated no
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from gspn2.ops._amp import autocast_off
 from gspn2.ops._checks import check_tensor, refuse_nested
+from gspn2.ops.merge import sm_count
 from gspn2.ops.reference import _compute_dtype
 
 __all__ = ["norm_gate_backward", "norm_gate_backward_ref", "triton_available"]
@@ -111,18 +110,13 @@ def _reference(grad, x, gate, mean, rstd, norm_weight, norm_bias):
     return norm_gate_backward_ref(grad, x, gate, mean, rstd, norm_weight, norm_bias)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def triton_backward(grad, x, gate, mean, rstd, norm_weight, norm_bias, cfg, programs):
     """The Triton kernel on contiguous rows (N >= 1) with the launch configuration ``cfg``
     (:func:`gspn2.ops._norm_triton.config`'s keys) over ``programs`` runs of rows: the op's five outputs."""
     N, E = x.shape
     block_m = cfg["block_m"]
-    # Whole row blocks per program.
-    rows = -(-(-(-N // programs)) // block_m) * block_m
+    rows = -(-N // programs)
+    rows = -(-rows // block_m) * block_m  # whole row blocks per program
     programs = -(-N // rows)
     grad_x = torch.empty((N, E), dtype=x.dtype, device=x.device)
     grad_gate = torch.empty((N, E), dtype=gate.dtype, device=x.device)
@@ -151,7 +145,7 @@ def _cuda(grad, x, gate, mean, rstd, norm_weight, norm_bias):
         return triton_backward(
             grad.contiguous(), x.contiguous(), gate.contiguous(), mean.float().contiguous(),
             rstd.float().contiguous(), norm_weight.contiguous(), norm_bias.contiguous(), cfg,
-            cfg["per_sm"] * _sm_count(x.device.index),
+            cfg["per_sm"] * sm_count(x.device.index),
         )
 
 
@@ -188,6 +182,9 @@ def norm_gate_backward(
     eps)``), ``norm_weight, norm_bias (E,)``. Not differentiable (a backward). Argument errors raise
     ``TypeError`` / ``ValueError`` naming the argument.
     """
-    if not torch.compiler.is_compiling():  # traced, the fake implementation checks (Dynamo bans `.layout` here)
-        _check(grad, x, gate, mean, rstd, norm_weight, norm_bias)
+    # Before the schema, which refuses a non-tensor without naming it; the op's implementations check the rest.
+    for name, t in (("grad", grad), ("x", x), ("gate", gate), ("mean", mean), ("rstd", rstd),
+                    ("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
     return torch.ops.gspn2.norm_gate_backward(grad, x, gate, mean, rstd, norm_weight, norm_bias)
