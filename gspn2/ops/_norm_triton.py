@@ -29,6 +29,35 @@ def config(E: int) -> dict:
 
 
 @triton.jit
+def _rows(G, X, Z, Mean, Rstd, GX, GZ, M, w, b, cols, cmask, rows, end, acc_w, acc_b, E: tl.constexpr):
+    """One step of ``_kernel``: rows ``rows`` (those below ``end``); returns the column sums' accumulators."""
+    rmask = rows < end
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * E + cols[None, :]
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.load(Mean + rows, mask=rmask, other=0.0)
+    rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    # The normalised row as the forward stored it (rounded to the activations' dtype).
+    n = (xhat * w[None, :] + b[None, :]).to(M.dtype.element_ty).to(tl.float32)
+    z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(z)
+    s = z * sig
+    tl.store(GZ + offs, (g * n * sig * (1.0 + z * (1.0 - sig))).to(GZ.dtype.element_ty), mask=mask)
+    tl.store(M + offs, (n * s).to(M.dtype.element_ty), mask=mask)
+    gn = g * s  # the gradient of the norm's output
+    acc_w += gn * xhat
+    acc_b += gn
+    gxh = gn * w[None, :]
+    c1 = tl.sum(gxh * xhat, axis=1) / E
+    c2 = tl.sum(gxh, axis=1) / E
+    gx = (gxh - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    tl.store(GX + offs, gx.to(GX.dtype.element_ty), mask=mask)
+    return acc_w, acc_b
+
+
+@triton.jit
 def _kernel(
     G, X, Z, Mean, Rstd, NW, NB, GX, GZ, M, PartW, PartB, N, rows_per_program,
     E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -43,31 +72,16 @@ def _kernel(
     acc_b = tl.zeros((BLOCK_M, BLOCK_E), tl.float32)
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, N)
-    for i in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
-        rows = start + i + tl.arange(0, BLOCK_M)
-        rmask = rows < end
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows[:, None] * E + cols[None, :]
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(Mean + rows, mask=rmask, other=0.0)
-        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        # The normalised row as the forward stored it (rounded to the activations' dtype).
-        n = (xhat * w[None, :] + b[None, :]).to(M.dtype.element_ty).to(tl.float32)
-        z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(z)
-        s = z * sig
-        tl.store(GZ + offs, (g * n * sig * (1.0 + z * (1.0 - sig))).to(GZ.dtype.element_ty), mask=mask)
-        tl.store(M + offs, (n * s).to(M.dtype.element_ty), mask=mask)
-        gn = g * s  # the gradient of the norm's output
-        acc_w += gn * xhat
-        acc_b += gn
-        gxh = gn * w[None, :]
-        c1 = tl.sum(gxh * xhat, axis=1) / E
-        c2 = tl.sum(gxh, axis=1) / E
-        gx = (gxh - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        tl.store(GX + offs, gx.to(GX.dtype.element_ty), mask=mask)
+    if NUM_STAGES > 1:  # a software-pipelined row loop
+        for i in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
+            acc_w, acc_b = _rows(G, X, Z, Mean, Rstd, GX, GZ, M, w, b, cols, cmask, start + i + tl.arange(0, BLOCK_M),
+                                 end, acc_w, acc_b, E)
+    else:  # a while loop: Triton 3.6's interpreter cannot take a kernel argument as a range() bound
+        i = 0
+        while i < rows_per_program:
+            acc_w, acc_b = _rows(G, X, Z, Mean, Rstd, GX, GZ, M, w, b, cols, cmask, start + i + tl.arange(0, BLOCK_M),
+                                 end, acc_w, acc_b, E)
+            i += BLOCK_M
     tl.store(PartW + pid * BLOCK_E + cols, tl.sum(acc_w, axis=0))
     tl.store(PartB + pid * BLOCK_E + cols, tl.sum(acc_b, axis=0))
 
