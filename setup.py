@@ -67,6 +67,7 @@ def _extensions() -> tuple[list, dict]:
             os.path.join(CSRC, "propagate_general.cu"),
             os.path.join(CSRC, "propagate_streaming.cu"),
             os.path.join(CSRC, "propagate_cluster.cu"),
+            os.path.join(CSRC, "propagate_short.cu"),
             os.path.join(CSRC, "dwconv.cpp"),
             os.path.join(CSRC, "dwconv_tile.cu"),
             os.path.join(CSRC, "rows.cpp"),

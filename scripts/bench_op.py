@@ -4,9 +4,10 @@
     python scripts/bench_op.py --quick                          # the headline shapes only
     python scripts/bench_op.py --cluster-choice                 # streaming vs cluster kernels, bf16 and fp32
     python scripts/bench_op.py --host-overhead                  # host cost of one op call, tiny inputs
+    python scripts/bench_op.py --short-lines                    # short-line vs streaming kernels, H, W <= 32
 
-For every shape: forward and backward time of the kernels the op picks (the streaming kernels for
-lines of up to 1024 pixels, with the cluster kernels for the horizontal directions of the float32 forward
+For every shape: forward and backward time of the kernels the op picks (the short-line kernels where H
+and W are at most 32, the streaming kernels for lines of up to 1024 pixels, with the cluster kernels for the horizontal directions of the float32 forward
 on tall images and of the backward on large problems; the general ones beyond) and, side by side, of the general kernels (``kernel="general"``)
 where both apply and of the streaming kernels alone (``kernel="fast"``) where the cluster kernel runs; kernel time (median of CUDA-graph replays, triton's
 ``do_bench_cudagraph``; ``do_bench`` with CUDA events where graphs are unavailable), the achieved fraction
@@ -134,12 +135,12 @@ def bench_shape(label, B, C, H, W, K, dt, bw, with_ref, with_sdpa):
     rec["plan_bwd"] = _cuda.plan(B, C, H, W, K, name, True, kernel="auto", cluster_ctas=0)
     rec["fwd_ms"] = median_ms(lambda: fwd(x, lam, gates))
     rec["bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h))
-    # The streaming kernel's horizontal scans instead of the cluster kernels, same run.
-    if rec["plan_fwd"].get("cluster_ctas"):
+    # The streaming kernels alone where auto runs the cluster or the short-line kernels, same run.
+    if rec["plan_fwd"].get("cluster_ctas") or rec["plan_fwd"]["kernel"] == "short":
         rec["stream_fwd_ms"] = median_ms(lambda: fwd(x, lam, gates, "fast"))
-    if rec["plan_bwd"].get("cluster_ctas"):
+    if rec["plan_bwd"].get("cluster_ctas") or rec["plan_bwd"]["kernel"] == "short":
         rec["stream_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "fast"))
-    if rec["plan_fwd"].get("kernel") == "fast":  # the general kernels on the same inputs, same run
+    if rec["plan_fwd"].get("kernel") in ("fast", "short"):  # the general kernels on the same inputs, same run
         rec["general_fwd_ms"] = median_ms(lambda: fwd(x, lam, gates, "general"))
         rec["general_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "general"))
     fb, bb = floor_bytes(B, C, H, W, K, BYTES[dtype])
@@ -280,6 +281,60 @@ def cluster_choice(out_dir: str) -> list:
     return rows
 
 
+# (B, C, H, W, K): the model stages with lines of up to 32 pixels (C_proxy 2 and 8), the GSPN-1 anchor of
+# 32 x 196 channels at 32^2, and batch-1 and multi-group images.
+SHORT_LINE_SHAPES = [(128, c, r, r, 1) for c in (2, 8) for r in (28, 14, 7)] + [
+    (32, 49, 32, 32, 49), (1, 8, 32, 32, 1), (16, 2, 32, 32, 2), (64, 4, 16, 16, 4)]
+
+
+def short_lines(out_dir: str) -> list:
+    """The short-line kernels (auto on these shapes) against the streaming kernels alone (``kernel="fast"``),
+    forward and backward, bf16 and fp32, same inputs, same run; with the bandwidth floor, one launch (a
+    one-element copy kernel replayed the same way) and the model-shape target of 3 x floor + one launch."""
+    bw = copy_bandwidth()
+    a, b = torch.zeros(1, device="cuda"), torch.ones(1, device="cuda")
+    launch_ms = median_ms(lambda: b.copy_(a))
+    rows = []
+    for dt in ("bf16", "fp32"):
+        for B, C, H, W, K in SHORT_LINE_SHAPES:
+            x, lam, gates = inputs(B, C, H, W, K, DT[dt])
+            h = fwd(x, lam, gates, "fast")
+            grad_h = torch.randn_like(h)
+            name = {"fp32": "float32", "bf16": "bfloat16"}[dt]
+            row = dict(B=B, C=C, H=H, W=W, K=K, dtype=dt,
+                       kernel=_cuda.plan(B, C, H, W, K, name, False, kernel="auto", cluster_ctas=0)["kernel"],
+                       kernel_bwd=_cuda.plan(B, C, H, W, K, name, True, kernel="auto", cluster_ctas=0)["kernel"])
+            row["fwd_ms"] = median_ms(lambda: fwd(x, lam, gates))
+            row["bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h))
+            row["stream_fwd_ms"] = median_ms(lambda: fwd(x, lam, gates, "fast"))
+            row["stream_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "fast"))
+            fb, bb = floor_bytes(B, C, H, W, K, BYTES[DT[dt]])
+            row["fwd_floor_ms"], row["bwd_floor_ms"] = fb / bw * 1e3, bb / bw * 1e3
+            row["fwd_target_ms"] = 3 * row["fwd_floor_ms"] + launch_ms
+            row["bwd_target_ms"] = 3 * row["bwd_floor_ms"] + launch_ms
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del x, lam, gates, h, grad_h
+    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s; one launch {launch_ms * 1e3:.2f} us; target = 3 x floor + one "
+             "launch; ms", "",
+             "| B x C x H x W, K | dtype | auto fwd / bwd | fwd | streaming fwd | fwd target | bwd | streaming bwd | "
+             "bwd target |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def cell(key):
+            met = r[key] <= r[key.replace("_ms", "_target_ms")]
+            return f"**{fmt(r[key])}**" if met else fmt(r[key])
+        lines.append(f"| {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {r['kernel']} / "
+                     f"{r['kernel_bwd']} | {cell('fwd_ms')} | {fmt(r['stream_fwd_ms'])} | {fmt(r['fwd_target_ms'])} | "
+                     f"{cell('bwd_ms')} | {fmt(r['stream_bwd_ms'])} | {fmt(r['bwd_target_ms'])} |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "bench_short_lines.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, "bench_short_lines.json"), "w") as f:
+        json.dump(dict(copy_bandwidth_Bps=bw, launch_ms=launch_ms, rows=rows), f, indent=1)
+    print(md)
+    return rows
+
+
 def _per_call_us(fn, n: int) -> float:
     """Wall time per call of ``n`` back-to-back calls (after a warm-up), synchronised at the end."""
     for _ in range(20):
@@ -368,6 +423,8 @@ def main():
     ap.add_argument("--cluster-choice", action="store_true",
                     help="only streaming vs cluster kernels at 2/4/8 CTAs per line, forward and backward, bf16 and fp32")
     ap.add_argument("--host-overhead", action="store_true", help="only the host cost of one call of each op")
+    ap.add_argument("--short-lines", action="store_true",
+                    help="only the short-line kernels against the streaming kernels (H, W <= 32), bf16 and fp32")
     args = ap.parse_args()
     assert torch.cuda.is_available() and _cuda.extension_available(), "needs a GPU and the built extension"
     os.makedirs(args.out_dir, exist_ok=True)
@@ -384,6 +441,9 @@ def main():
         return
     if args.host_overhead:
         host_overhead(args.out_dir)
+        return
+    if args.short_lines:
+        short_lines(args.out_dir)
         return
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {env['gpu']}", flush=True)

@@ -42,7 +42,7 @@
 #   MODELS         models for bench-models (default: gspn2_tiny swin_tiny_patch4_window7_224 convnext_tiny)
 #   BENCH_ARGS     extra arguments of bench_models.py (default: --modes eager)
 #   QUICK=1        shorter runs: bench_op.py --quick, fewer DDP steps
-#   SANITIZE_GROUPS  groups of scripts/sanitize_cases.py for the sanitize stage (default: op cluster dwconv;
+#   SANITIZE_GROUPS  groups of scripts/sanitize_cases.py for the sanitize stage (default: op short cluster dwconv;
 #                  cluster only on sm_90)
 #   TIMEOUT        limit per stage in seconds (default 900; 0: none)
 set -uo pipefail
@@ -75,8 +75,8 @@ if [[ -n ${TIMEOUT:-} && ! ${TIMEOUT} =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 for group in ${SANITIZE_GROUPS:-}; do
-  if [[ $group != op && $group != cluster && $group != dwconv ]]; then
-    echo "gpu_check.sh: SANITIZE_GROUPS takes op, cluster and dwconv, got '$group'" >&2
+  if [[ $group != op && $group != short && $group != cluster && $group != dwconv ]]; then
+    echo "gpu_check.sh: SANITIZE_GROUPS takes op, short, cluster and dwconv, got '$group'" >&2
     exit 2
   fi
 done
@@ -173,7 +173,7 @@ stage_test() {
 stage_sanitize() {
   if ! command -v compute-sanitizer >/dev/null; then skip_stage sanitize "compute-sanitizer not found"; return; fi
   local groups=()
-  for group in ${SANITIZE_GROUPS:-op cluster dwconv}; do
+  for group in ${SANITIZE_GROUPS:-op short cluster dwconv}; do
     if [[ $group == cluster && ${CAP%%.*} -lt 9 ]]; then
       skip_stage "sanitize cluster" "needs sm_90, GPU is sm_${CAP/./}"
     else

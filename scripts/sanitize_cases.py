@@ -3,6 +3,7 @@ racecheck): every kernel family, dtype and code path runs once on a few hundred 
 ``scripts/gpu_check.sh sanitize`` runs each group under each tool.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py op
+    compute-sanitizer --tool racecheck python scripts/sanitize_cases.py short
     compute-sanitizer --tool racecheck python scripts/sanitize_cases.py cluster    # sm_90 only
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py dwconv
 
@@ -10,6 +11,8 @@ Groups:
 
 * ``op``: the propagation op under the default kernel choice: fp32 / bf16 / fp16, one to 32 channels,
   chunks, the streaming kernels' ring and tile paths, a 300-pixel line.
+* ``short``: the short-line kernels forced (``GSPN2_KERNEL=short``): fp32 / bf16 / fp16, groups of 1, 2, 4 and
+  8 channels, one and two lines per warp, H != W, chunks, planes whose bytes are not a multiple of 16.
 * ``cluster``: the thread-block-cluster kernels forced (``GSPN2_KERNEL=cluster``; Hopper only), forward
   and backward, fp32 / bf16 / fp16, K < C and chunk restarts. The backward runs through autograd, i.e. on
   autograd's device thread, where the kernels must bind the CUDA context themselves.
@@ -31,6 +34,14 @@ OP_CASES = [
     (1, 1, 3, 40, 1, 4, "float32"),
     (1, 2, 16, 24, 1, 5, "bfloat16"),
     (1, 1, 300, 264, 1, 7, "float32"),
+]
+SHORT_CASES = [
+    (3, 2, 7, 7, 1, None, "bfloat16"),
+    (2, 4, 9, 13, 4, 3, "float32"),
+    (2, 8, 14, 14, 2, None, "float16"),
+    (2, 2, 5, 30, 1, 4, "bfloat16"),
+    (1, 2, 28, 28, 1, None, "float32"),
+    (1, 1, 32, 20, 1, 6, "bfloat16"),
 ]
 CLUSTER_CASES = [
     (1, 2, 40, 32, 1, None, "float32"),
@@ -90,7 +101,7 @@ def run_dwconv() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("group", choices=["op", "cluster", "dwconv"])
+    ap.add_argument("group", choices=["op", "short", "cluster", "dwconv"])
     args = ap.parse_args()
     import torch
 
@@ -99,8 +110,8 @@ def main() -> None:
     if args.group == "cluster" and torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("sanitize_cases.py cluster needs an sm_90 GPU: the cluster kernels are Hopper-only")
     # The backend and kernel choices are read from the environment once, when gspn2 is imported: set them first.
-    if args.group == "cluster":
-        os.environ["GSPN2_KERNEL"] = "cluster"
+    if args.group in ("short", "cluster"):
+        os.environ["GSPN2_KERNEL"] = args.group
     if args.group == "dwconv":
         os.environ["GSPN2_DWCONV"] = "cuda"
     import gspn2  # noqa: F401  (registers the ops)
@@ -108,7 +119,7 @@ def main() -> None:
     if args.group == "dwconv":
         run_dwconv()
     else:
-        run_op(OP_CASES if args.group == "op" else CLUSTER_CASES)
+        run_op({"op": OP_CASES, "short": SHORT_CASES, "cluster": CLUSTER_CASES}[args.group])
     print(f"sanitize cases '{args.group}' ok")
 
 

@@ -60,8 +60,9 @@ std::string layout_name(at::Layout layout) {
 }
 
 // The kernel family asked for (the op's `kernel` argument): auto (the planner's choice), fast (streaming kernels
-// only), general (general kernels), cluster (the streaming plan with the cluster kernels on every pass).
-enum class Family { Auto, Fast, General, Cluster };
+// only), general (general kernels), cluster (the streaming plan with the cluster kernels on every pass), short
+// (the short-line kernels).
+enum class Family { Auto, Fast, General, Cluster, Short };
 
 struct PlanOptions {
   Family family = Family::Auto;
@@ -73,6 +74,7 @@ const char* family_name(Family f) {
     case Family::Fast: return "fast";
     case Family::General: return "general";
     case Family::Cluster: return "cluster";
+    case Family::Short: return "short";
     default: return "auto";
   }
 }
@@ -83,7 +85,8 @@ PlanOptions parse_options(c10::string_view kernel, int64_t cluster_ctas) {
   else if (kernel == "fast") o.family = Family::Fast;
   else if (kernel == "general") o.family = Family::General;
   else if (kernel == "cluster") o.family = Family::Cluster;
-  else GSPN2_CHECK(false, "`kernel` must be 'auto', 'fast', 'general' or 'cluster', got '", std::string(kernel), "'");
+  else if (kernel == "short") o.family = Family::Short;
+  else GSPN2_CHECK(false, "`kernel` must be 'auto', 'fast', 'general', 'cluster' or 'short', got '", std::string(kernel), "'");
   GSPN2_CHECK(cluster_ctas == 0 || cluster_ctas == 2 || cluster_ctas == 4 || cluster_ctas == 8,
               "`cluster_ctas` must be 0 (the planner's choice), 2, 4 or 8, got ", cluster_ctas);
   o.cluster_ctas = int(cluster_ctas);
@@ -187,6 +190,61 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   p.cluster_smem = s.smem;
 }
 
+// The short-line kernels' horizontal lanes read one element of each of the H rows of a staged plane at once
+// (lane q at q * W): the largest number of distinct 4-byte words of such a read that share one of the 32
+// shared-memory banks (1: conflict-free), over both element parities of a 16-bit row.
+int short_bank_conflicts(int H, int W, int esize) {
+  int worst = 1;
+  for (int parity = 0; parity < (esize == 2 ? 2 : 1); ++parity) {
+    int count[32] = {};
+    int64_t last_word[32];
+    for (int k = 0; k < 32; ++k) last_word[k] = -1;
+    for (int q = 0; q < H; ++q) {
+      const int64_t word = (int64_t(q) * W * esize + parity * esize) / 4;
+      const int bank = int(word % 32);
+      if (word != last_word[bank]) ++count[bank];  // rows in order: a repeated word is adjacent
+      last_word[bank] = word;
+      worst = std::max(worst, count[bank]);
+    }
+  }
+  return worst;
+}
+
+// Short-line kernels (propagate_short.cu) under auto or kernel='short': H and W at most kShortMaxLine, a group
+// size they are built for, and the block's planes in shared memory. Under auto also where they measured
+// faster than the streaming kernels (bench_op.py --short-lines, docs/benchmarks.md): blocks (B * K) for at
+// least half the SMs (one block walks all four directions and the group's channels, where the streaming
+// kernels launch 4 * B * C / cs blocks); bank conflicts of the horizontal lanes' reads at most 2-way, or
+// 4-way on lines of at least 24 pixels, where the saving per step outweighs them (W = 16 and 32 have 4- to
+// 32-way ones); and not 8-channel groups on lines of up to 8 pixels. Lines per warp: 2 for lines of up to
+// 16 pixels, else 1, so a block is 2 or 4 warps.
+bool make_plan_short(PropagateParams& p, bool backward, const PlanOptions& o, int smem_limit, int nsm) {
+  if (o.family != Family::Auto && o.family != Family::Short) return false;
+  if (o.family == Family::Auto) {
+    if (int64_t(2) * p.B * p.K < nsm) return false;
+    const int conflicts = short_bank_conflicts(p.H, p.W, element_size(p.dtype));
+    if (conflicts > 4 || (conflicts > 2 && std::max(p.H, p.W) < 24)) return false;
+    if (p.G == 8 && std::max(p.H, p.W) <= 8) return false;
+  }
+  const int lmax = std::max(p.H, p.W);
+  const int smem = short_layout(p.G, p.H * p.W, element_size(p.dtype), backward).total;
+  const bool fits = lmax <= kShortMaxLine && short_channels_supported(p.G) && smem <= smem_limit;
+  if (!fits) {
+    GSPN2_CHECK(o.family != Family::Short, "kernel='short' needs H and W of at most ", kShortMaxLine,
+                ", C / K in {1, 2, 4, 8} and the block's planes in ", smem_limit, " bytes of shared memory; got H = ",
+                p.H, ", W = ", p.W, ", C / K = ", p.G, ", ", smem, " bytes");
+    return false;
+  }
+  p.kernel = 3;
+  p.su = lmax <= 16 ? 2 : 1;
+  p.nt = 32 * (4 / p.su);
+  p.cs = p.G;
+  p.nsl = 1;
+  p.ncta = 0;
+  p.smem_bytes = smem;
+  return true;
+}
+
 bool make_plan_fast(PropagateParams& p, bool backward, const PlanOptions& o, int smem_limit, int nsm, int cc_major) {
   const int lmax = std::max(p.H, p.W);
   p.ncta = 0;
@@ -260,6 +318,7 @@ void make_plan(PropagateParams& p, bool backward, const PlanOptions& o) {
     }
   }
   cudaGetLastError();  // no device here (planning only): keep the defaults
+  if (make_plan_short(p, backward, o, smem_limit, nsm)) return;
   if (make_plan_fast(p, backward, o, smem_limit, nsm, cc_major)) return;
   p.kernel = 1;
   auto score = [&](const PropagateParams& q) {
@@ -386,7 +445,9 @@ at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const
   at::Tensor h = at::empty({p.B, 4, p.C, p.H, p.W}, x.options());
   p.h = h.data_ptr();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (p.kernel == 2) {
+  if (p.kernel == 3) {
+    launch_forward_short(p, stream);
+  } else if (p.kernel == 2) {
     // With the cluster kernel: two launches in one stream, the horizontal directions first.
     if (p.ncta > 0 && !(p.ablate & 8)) launch_forward_cluster(p, stream);
     launch_forward_fast(p, stream);
@@ -412,7 +473,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> propagate_backward(
   at::Tensor grad_x = at::empty_like(x);
   at::Tensor grad_lam = at::empty_like(lam);
   at::Tensor grad_gates = at::empty_like(gates);
-  at::Tensor grad_x_part = at::empty({4, B, C, H, W}, x.options().dtype(at::kFloat));
+  at::Tensor grad_x_part;  // the four directions' fp32 terms, summed by the reduce pass (not the short kernels)
+  if (p.kernel != 3) grad_x_part = at::empty({4, B, C, H, W}, x.options().dtype(at::kFloat));
   at::Tensor grad_gates_part;
   if (p.nsl > 1) grad_gates_part = at::empty({p.nsl, B, 4, 3, p.K, H, W}, x.options().dtype(at::kFloat));
   p.grad_h = gh.data_ptr();
@@ -420,10 +482,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> propagate_backward(
   p.grad_x = grad_x.data_ptr();
   p.grad_lam = grad_lam.data_ptr();
   p.grad_gates = grad_gates.data_ptr();
-  p.grad_x_part = grad_x_part.data_ptr<float>();
+  p.grad_x_part = p.kernel != 3 ? grad_x_part.data_ptr<float>() : nullptr;
   p.grad_gates_part = p.nsl > 1 ? grad_gates_part.data_ptr<float>() : nullptr;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (p.kernel == 2) {
+  if (p.kernel == 3) {
+    launch_backward_short(p, stream);
+  } else if (p.kernel == 2) {
     // With the cluster kernel: the horizontal directions first, then the vertical blocks and the reduce pass.
     if (p.ncta > 0 && !(p.ablate & 8)) launch_backward_cluster(p, stream);
     launch_backward_fast(p, stream);
@@ -508,13 +572,16 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   p.G = int(C / K);
   make_plan(p, backward, o);
   py::dict d;
-  d["kernel"] = p.kernel == 2 ? "fast" : "general";
+  d["kernel"] = p.kernel == 3 ? "short" : p.kernel == 2 ? "fast" : "general";
   d["cs"] = p.cs;
   d["nsl"] = p.nsl;
   d["T"] = p.T;
   d["smem_bytes"] = p.smem_bytes;
-  d["blocks"] = 4 * p.B * p.K * p.nsl;
-  if (p.kernel == 2) {
+  d["blocks"] = p.kernel == 3 ? p.B * p.K : 4 * p.B * p.K * p.nsl;
+  if (p.kernel == 3) {
+    d["threads"] = p.nt;
+    d["lines_per_warp"] = p.su;
+  } else if (p.kernel == 2) {
     d["threads"] = p.nt;
     d["tile_h"] = bool(p.tile_h);
     d["line_stride"] = p.ls;
@@ -563,6 +630,7 @@ py::dict dwconv_plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, cons
 py::dict limits() {
   py::dict d;
   d["fast_max_line"] = kFastMaxLine;
+  d["short_max_line"] = kShortMaxLine;
   d["cluster_tile"] = kClusterTile;
   d["cluster_auto_min_line"] = kClusterAutoMinLine;
   d["cluster_auto_min_elems_bwd"] = kClusterAutoMinElemsBwd;

@@ -39,6 +39,42 @@ constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto: the forward for 
 constexpr int64_t kClusterAutoMinElemsBwd = int64_t(1) << 20;  // ... the backward for B * C * H * W >= this
 constexpr int kClusterAutoMinLineBwd16 = 64;  // ... and, with 16-bit inputs, H >= this (bf16 32x49x32^2 measured slower)
 
+// Short-line kernels (propagate_short.cu): H and W at most kShortMaxLine; one block per (batch, affinity group)
+// holds every input plane of the four directions in shared memory; a direction's line sits in one warp.
+constexpr int kShortMaxLine = 32;
+// The group sizes (channels per affinity group) they are built for.
+__host__ __device__ constexpr bool short_channels_supported(int G) { return G == 1 || G == 2 || G == 4 || G == 8; }
+// Their shared memory, in bytes from the start: a slot per staged run (the group's channels of x, of lam,
+// grad_h and h per direction; one gate plane), 16 bytes longer than the run so that the copy can start at the
+// run's own misalignment; then (backward) the four directions' fp32 grad_x terms.
+struct ShortLayout {
+  int pb, pg;  // bytes of a channel-group slot and of a gate-plane slot
+  int x, lam, gh, h, gates, gx, total;
+};
+__host__ __device__ inline ShortLayout short_layout(int G, int HW, int esize, bool backward) {
+  ShortLayout s;
+  s.pb = ((G * HW * esize + 15) & ~15) + 16;
+  s.pg = ((HW * esize + 15) & ~15) + 16;
+  int off = 0;
+  s.x = off;
+  off += s.pb;
+  s.lam = off;
+  off += 4 * s.pb;
+  s.gh = s.h = 0;
+  if (backward) {
+    s.gh = off;
+    off += 4 * s.pb;
+    s.h = off;
+    off += 4 * s.pb;
+  }
+  s.gates = off;
+  off += 12 * s.pg;
+  s.gx = off;
+  if (backward) off += 4 * G * HW * 4;
+  s.total = off;
+  return s;
+}
+
 // Division by a launch-invariant divisor through a multiply (Granlund-Montgomery round-up method):
 // d >= 1 and numerators below 2^31. Set up on the host, used by the kernels.
 struct FastDiv {
@@ -108,7 +144,8 @@ struct PropagateParams {
   int E;       // elements per vertical-scan access along W: the widest power of two <= 16 bytes dividing W
   int smem_bytes;
   // Streaming kernels (propagate_streaming.cu), chosen when kernel == 2.
-  int kernel;  // 1: general kernels, 2: streaming kernels
+  int kernel;  // 1: general kernels, 2: streaming kernels, 3: short-line kernels
+  int su;      // short-line kernels: lines (directions) per warp, 4, 2 or 1
   int nt;      // threads per block: one per line position, rounded up to a warp
   int pp;      // positions per exchange line (longest line + 2 halo, rounded); ls floats each
   int tile_h;  // horizontal scans load tiles of kFastTileF / kFastTileB steps through a per-thread stage
@@ -241,5 +278,8 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize);
 void launch_forward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_fast(const PropagateParams& p, cudaStream_t stream);
+// propagate_short.cu: the short-line kernels, one launch per pass (make_plan_short() decides).
+void launch_forward_short(const PropagateParams& p, cudaStream_t stream);
+void launch_backward_short(const PropagateParams& p, cudaStream_t stream);
 
 }  // namespace gspn2

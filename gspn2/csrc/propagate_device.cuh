@@ -94,6 +94,20 @@ __device__ __forceinline__ Gates normalise(float g0, float g1, float g2, int q, 
   return r;
 }
 
+// The gates of one backward step (streaming and short-line kernels): normalised, or on a restart step the value whose weights are zero.
+// Branch-free (selects), so that the gates of several steps computed together interleave.
+__device__ __forceinline__ Gates step_gates(float g0, float g1, float g2, bool restart, int q, int L) {
+  Gates r = normalise(g0, g1, g2, q, L);
+  r.s0 = restart ? 0.f : r.s0;
+  r.s1 = restart ? 0.f : r.s1;
+  r.s2 = restart ? 0.f : r.s2;
+  r.a0 = restart ? 0.f : r.a0;
+  r.a2 = restart ? 0.f : r.a2;
+  r.total = restart ? 0.f : r.total;
+  r.inv = restart ? 1.f : r.inv;
+  return r;
+}
+
 // Gate-logit gradients of one pixel from grad_w (through w_k = a_k / max(total, eps), a_k = mask_k *
 // sigmoid(g_k)); the streaming and the cluster backward both use it.
 __device__ __forceinline__ void gate_grads(const Gates& gt, float gw0, float gw1, float gw2, int q, int L,

@@ -451,20 +451,6 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
 // PropagateParams::ls), kinds 0..2 = C_o = w_o * adj of offsets -1, 0, +1; kind 3 = h_{s-1}.
 // ------------------------------------------------------------------------------------------------
 
-// The gates of one backward step: normalised, or on a restart step the value whose weights are zero.
-// Branch-free (selects), so that the gates of several steps computed together interleave.
-__device__ __forceinline__ Gates step_gates(float g0, float g1, float g2, bool restart, int q, int L) {
-  Gates r = normalise(g0, g1, g2, q, L);
-  r.s0 = restart ? 0.f : r.s0;
-  r.s1 = restart ? 0.f : r.s1;
-  r.s2 = restart ? 0.f : r.s2;
-  r.a0 = restart ? 0.f : r.a0;
-  r.a2 = restart ? 0.f : r.a2;
-  r.total = restart ? 0.f : r.total;
-  r.inv = restart ? 1.f : r.inv;
-  return r;
-}
-
 // One reverse-scan step of one pixel, given its gates (step_gates, computed ahead of the step): reads
 // x, lam, grad_h of the CS channels and h_{s-1} from the exchange line, writes C_o and (given) h_{s-2}
 // for the next step; returns grad_lam, the grad_x term and the gate-logit gradients.

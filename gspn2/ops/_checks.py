@@ -33,7 +33,7 @@ def check_kernel_type(kernel) -> None:
     """``kernel`` must be a str (the op's schema would refuse an int with a RuntimeError, and decode bytes)."""
     if not isinstance(kernel, str):
         raise TypeError(
-            f"gspn_propagate: `kernel` must be a str ('auto', 'fast', 'general' or 'cluster'), "
+            f"gspn_propagate: `kernel` must be a str ('auto', 'fast', 'general', 'cluster' or 'short'), "
             f"got {type(kernel).__name__}"
         )
 
@@ -42,7 +42,7 @@ def check_options(kernel: str, cluster_ctas: int) -> None:
     """The op's ``kernel`` and ``cluster_ctas`` arguments (used by the CUDA kernels, validated everywhere)."""
     check_kernel_type(kernel)
     if kernel not in KERNELS:
-        raise ValueError(f"gspn2: `kernel` must be 'auto', 'fast', 'general' or 'cluster', got {kernel!r}")
+        raise ValueError(f"gspn2: `kernel` must be 'auto', 'fast', 'general', 'cluster' or 'short', got {kernel!r}")
     if cluster_ctas not in CLUSTER_CTAS:
         raise ValueError(f"gspn2: `cluster_ctas` must be 0 (the planner's choice), 2, 4 or 8, got {cluster_ctas}")
 

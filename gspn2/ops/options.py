@@ -12,7 +12,8 @@ environment         option                               values
                     ``gspn_propagate``                   runs the reference); ``reference``: the
                                                          pure-PyTorch reference (slow)
 ``GSPN2_KERNEL``    ``kernel``: the propagation          ``auto`` (the planner's choice), ``fast``
-                    kernel family                        (streaming only), ``general``, ``cluster``
+                    kernel family                        (streaming only), ``general``, ``cluster``,
+                                                         ``short`` (short lines: H, W <= 32)
 (none)              ``cluster_ctas``: CTAs per line of   0 (the planner's choice), 2, 4, 8
                     the cluster kernels (benchmarks)
 ``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
@@ -87,7 +88,7 @@ NORM_BACKWARD_ENV = "GSPN2_NORM_BACKWARD"
 EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
-KERNELS = ("auto", "fast", "general", "cluster")
+KERNELS = ("auto", "fast", "general", "cluster", "short")
 CLUSTER_CTAS = (0, 2, 4, 8)
 #: The depthwise kernels' backward (after ``auto``, in the order of the op's ``kernel`` argument) and output
 #: columns per thread.

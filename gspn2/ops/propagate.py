@@ -135,7 +135,7 @@ def gspn_propagate(
             with ``C % K == 0`` (``K = 1``: one affinity shared by all channels).
         chunk: ``None`` scans the whole image; an int restarts the scan every ``chunk`` steps, counted
             from each direction's starting edge.
-        kernel: the CUDA kernel family (``auto``, ``fast``, ``general``, ``cluster``); ``None``: the
+        kernel: the CUDA kernel family (``auto``, ``fast``, ``general``, ``cluster``, ``short``); ``None``: the
             process option (:mod:`gspn2.ops.options`, ``GSPN2_KERNEL``). Ignored on other devices.
     Returns:
         ``(B, 4, C, H, W)`` hidden states of all four directions in the image frame, dtype of ``x``.

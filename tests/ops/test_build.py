@@ -64,8 +64,55 @@ def test_kernel_choice():
     assert _cuda.plan(1, 2, longest + 1, 3, 1, "float32")["kernel"] == "general"
     with pytest.raises(ValueError, match="kernel='fast'.*1024"):
         _cuda.plan(1, 2, 1100, 3, 1, "float32", kernel="fast")
-    with pytest.raises(ValueError, match="`kernel` must be 'auto', 'fast', 'general' or 'cluster'"):
+    with pytest.raises(ValueError, match="`kernel` must be 'auto', 'fast', 'general', 'cluster' or 'short'"):
         _cuda.plan(1, 2, 10, 10, 1, "float32", kernel="FAST")
+
+
+@pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
+@pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
+def test_short_kernel_choice():
+    """H and W of at most 32 with C / K in {1, 2, 4, 8} and enough blocks take the short-line kernels under
+    auto: one block per (batch, group), one launch per pass, as many lines per warp as fit; otherwise the
+    streaming kernels, and kernel='short' names what it needs."""
+    longest = _cuda.limits()["short_max_line"]
+    assert longest == 32
+    for side, per_warp in ((7, 2), (8, 2), (9, 2), (14, 2), (17, 1), (28, 1)):
+        for backward in (False, True):
+            plan = _cuda.plan(128, 2, side, side, 1, "bfloat16", backward=backward)
+            assert plan["kernel"] == "short", (side, backward)
+            assert plan["lines_per_warp"] == per_warp and plan["threads"] == 32 * 4 // per_warp
+            assert plan["blocks"] == 128 and plan["cs"] == 2 and plan["nsl"] == 1
+    # Bank conflicts of the horizontal lanes (rows of W elements read down a column): 16-bit W = 16 is 4-way,
+    # W = 32 16-way, float32 W = 28 4-way (taken: lines of at least 24 pixels), W = 32 32-way.
+    assert _cuda.plan(128, 2, 16, 16, 1, "bfloat16")["kernel"] == "fast"
+    assert _cuda.plan(128, 2, 32, 32, 1, "bfloat16")["kernel"] == "fast"
+    assert _cuda.plan(128, 2, 28, 28, 1, "float32")["kernel"] == "short"
+    assert _cuda.plan(128, 2, 32, 32, 1, "float32")["kernel"] == "fast"
+    assert _cuda.plan(128, 2, 16, 16, 1, "bfloat16", kernel="short")["lines_per_warp"] == 2
+    assert _cuda.plan(128, 2, 32, 32, 1, "bfloat16", kernel="short")["lines_per_warp"] == 1
+    # Groups of 8 channels on lines of up to 8 pixels: the streaming kernels (measured faster).
+    assert _cuda.plan(128, 8, 7, 7, 1, "bfloat16")["kernel"] == "fast"
+    assert _cuda.plan(128, 8, 14, 14, 1, "bfloat16")["kernel"] == "short"
+    assert _cuda.plan(20, 8, 5, 30, 4, "float32")["blocks"] == 80  # one block per (batch, group)
+    # The block's planes: x, 4 x lam, 12 gate planes (forward); + 4 x grad_h, 4 x h and 4 fp32 grad_x terms.
+    fwd = _cuda.plan(128, 2, 28, 28, 1, "bfloat16")["smem_bytes"]
+    bwd = _cuda.plan(128, 2, 28, 28, 1, "bfloat16", backward=True)["smem_bytes"]
+    assert fwd == 5 * (2 * 784 * 2 + 16) + 12 * (784 * 2 + 16)
+    assert bwd == 13 * (2 * 784 * 2 + 16) + 12 * (784 * 2 + 16) + 4 * 2 * 784 * 4
+    # Not taken: a line over 32 pixels, a group size they are not built for, planes beyond shared memory.
+    assert _cuda.plan(128, 2, 33, 8, 1, "bfloat16")["kernel"] == "fast"
+    assert _cuda.plan(128, 3, 8, 8, 1, "float32")["kernel"] == "fast"
+    assert _cuda.plan(128, 8, 28, 28, 1, "bfloat16", backward=True)["kernel"] == "fast"
+    assert _cuda.plan(128, 8, 28, 28, 1, "bfloat16")["kernel"] == "short"
+    assert _cuda.plan(128, 2, 28, 28, 1, "bfloat16", kernel="fast")["kernel"] == "fast"
+    # Under auto, blocks for at least half the SMs (planned as on an H200: 132); kernel='short' takes any batch.
+    assert _cuda.plan(66, 2, 14, 14, 1, "bfloat16")["kernel"] == "short"
+    assert _cuda.plan(65, 2, 14, 14, 1, "bfloat16")["kernel"] == "fast"
+    assert _cuda.plan(1, 8, 32, 32, 1, "float32", kernel="short")["blocks"] == 1
+    with pytest.raises(ValueError, match="kernel='short' needs H and W of at most 32.*H = 40"):
+        _cuda.plan(1, 2, 40, 8, 1, "float32", kernel="short")
+    with pytest.raises(ValueError, match="kernel='short'.*C / K = 3"):
+        _cuda.plan(1, 3, 8, 8, 1, "float32", kernel="short")
 
 
 @pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")

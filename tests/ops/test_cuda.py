@@ -29,8 +29,10 @@ LOWP_SLACK = 1e-4
 # kernels (propagate_streaming.cu): small blocks with 1, 2 and 4 channels (2 and 4 only when that still gives
 # the GPU 132 blocks: hence B = 33 and 17), big blocks (one channel, group split over several blocks),
 # horizontal scans through the tile stage (W % 8 == 0 forward, W % 4 == 0 backward) and through the ring;
-# warp lines (lines of up to 32 pixels, neighbours by shuffles), with a 32-pixel line where the last lane
-# has no right neighbour; longer lines run the general kernels.
+# longer lines run the general kernels. H and W of at most 32 with C / K in {1, 2, 4, 8} run the short-line
+# kernels (propagate_short.cu): 4, 2 and 1 lines per warp with lines that fill their lanes (8, 16, 32 pixels)
+# and lines that do not, horizontal and vertical lines of different classes in one block (5 x 30), planes
+# whose bytes are not a multiple of 16 (the staged copies' unaligned ends), groups of 1, 2, 4 and 8 channels.
 CASES = [
     (1, 3, 288, 264, 1, 100),
     (33, 2, 16, 24, 1, 5),
@@ -55,7 +57,16 @@ CASES = [
     (1, 2, 200, 300, 1, None),
     (33, 2, 32, 20, 1, None),
     (17, 4, 24, 32, 2, 6),
+    (4, 2, 8, 8, 1, None),
+    (4, 2, 16, 16, 1, 3),
+    (2, 2, 5, 30, 1, 4),
+    (3, 8, 17, 9, 2, None),
+    (130, 2, 7, 7, 1, None),
+    (5, 3, 8, 8, 1, None),
 ]
+
+
+SHORT_CASES = [c for c in CASES if max(c[2], c[3]) <= 32 and c[1] // c[4] in (1, 2, 4, 8)]
 
 
 def _ids(case):
@@ -137,6 +148,47 @@ def test_matches_float64_reference(case, dtype):
         for name, g, r, lo in zip(NAMES, got, ref, low):
             err, bound = _rel(g, r, scale), LOWP_FACTOR * _rel(lo, r, scale) + LOWP_SLACK
             assert err <= bound, f"{name}: kernel {err:.3g} > {bound:.3g} (reference in {dtype})"
+
+
+# The short-line kernels (kernel="short"; auto takes them where they measured faster) against float64 and
+# against the streaming kernels on the same inputs: bitwise equal (same arithmetic in the same order) where
+# the streaming plan keeps the group in one block; where it splits the group (gate gradients summed from
+# per-slice partials) equal to rounding. The streaming kernels on these shapes against float64.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SHORT_CASES, ids=_ids)
+def test_short_kernels_match_float64_reference(case, dtype):
+    options.set_options(kernel="short")
+    B, C, H, W, K, _ = case
+    for backward in (False, True):
+        assert _cuda.plan(B, C, H, W, K, str(dtype).split(".")[1], backward=backward)["kernel"] == "short"
+    test_matches_float64_reference(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SHORT_CASES, ids=_ids)
+def test_short_kernels_equal_streaming_kernels(case, dtype):
+    B, C, H, W, K, chunk = case
+    name = str(dtype).split(".")[1]
+    x, lam, gates, grad_h = _inputs(B, C, H, W, K, dtype, seed=hash(case) % 1000)
+    options.set_options(kernel="short")
+    got = _run_kernel(x, lam, gates, grad_h, chunk)
+    options.set_options(kernel="fast")
+    ref = _run_kernel(x, lam, gates, grad_h, chunk)
+    one_block = _cuda.plan(B, C, H, W, K, name, backward=True, kernel="fast")["nsl"] == 1
+    for name_, g, r in zip(NAMES, got, ref):
+        if one_block or name_ != "grad_gates":
+            assert torch.equal(g, r), f"{name_}: max |diff| {(g.double() - r.double()).abs().max().item():.3g}"
+        else:
+            err = _rel(g, r, 1e-2 * grad_h.double().norm().item())
+            assert err <= (1e-6 if dtype == torch.float32 else 1e-2), f"{name_}: {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SHORT_CASES, ids=_ids)
+def test_streaming_kernels_on_short_lines(case, dtype):
+    options.set_options(kernel="fast")
+    assert _cuda.plan(*case[:4], case[4], str(dtype).split(".")[1])["kernel"] == "fast"
+    test_matches_float64_reference(case, dtype)
 
 
 # The general kernels (lines longer than 1024 pixels) on shapes the streaming kernels would take.
@@ -231,8 +283,10 @@ def test_cluster_kernel_deterministic_and_chosen_by_auto():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_deterministic(dtype):
-    x, lam, gates, grad_h = _inputs(2, 32, 33, 40, 1, dtype, seed=5)  # two slices per group: partials
+@pytest.mark.parametrize("shape", [(2, 32, 33, 40, 1), (16, 8, 28, 28, 1)], ids=["partials", "short"])
+def test_deterministic(dtype, shape):
+    # Two slices per group (gate partials); the short-line kernels (grad_x summed in shared memory).
+    x, lam, gates, grad_h = _inputs(*shape, dtype, seed=5)
     a = _run_kernel(x, lam, gates, grad_h, 6)
     b = _run_kernel(x, lam, gates, grad_h, 6)
     for name, u, v in zip(NAMES, a, b):

@@ -36,7 +36,7 @@ def test_unknown_stage_and_bad_settings_are_refused_before_anything_is_written(t
     result = _run("test", tmp_path=tmp_path, QUICK="yes")
     assert result.returncode == 2 and "QUICK must be 0 or 1" in result.stderr
     result = _run("sanitize", tmp_path=tmp_path, SANITIZE_GROUPS="dwconv ops")
-    assert result.returncode == 2 and "SANITIZE_GROUPS takes op, cluster and dwconv, got 'ops'" in result.stderr
+    assert result.returncode == 2 and "SANITIZE_GROUPS takes op, short, cluster and dwconv, got 'ops'" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
