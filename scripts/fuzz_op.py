@@ -494,7 +494,7 @@ def _kernel_cases():
             # torch's schema matcher decodes bytes for a str argument: the raw op sees "auto"
             expect = "result" if raw and isinstance(k, bytes) else "error"
             cases.append(Case(f"{entry}/kernel-{label}", build, expect, ("kernel",), raw=raw))
-    for k in ("auto", "fast", "general", "cluster"):
+    for k in ("auto", "fast", "general", "cluster", "short"):
         for entry, fn, raw in PROP_ENTRIES:
             cases.append(_valid_prop(entry, fn, raw, f"kernel-{k}", lambda d: prop_inputs(d, C=2, H=5, W=16), kw={"kernel": k}))
     for label, cc, expect in (("neg1", -1, "error"), ("1", 1, "error"), ("3", 3, "error"), ("16", 16, "error"),

@@ -13,8 +13,8 @@
 #                 test_gelu_linear.py, test_norm_backward.py, test_direct_calls.py, test_op.py,
 #                 tests/layers/test_pointwise.py,
 #                 tests/models/test_gspn2_cuda.py, tests/train/test_gpu_data_cuda.py, test_compile_modes_cuda.py)
-#   sanitize      compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py (op, cluster on sm_90,
-#                 dwconv); skipped when compute-sanitizer is not installed
+#   sanitize      compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py (op, short, cluster on
+#                 sm_90, dwconv); skipped when compute-sanitizer is not installed
 #   bench-op      scripts/bench_op.py: the propagation kernels against their bandwidth floor, the general kernels,
 #                 the reference and SDPA (QUICK=1: the headline shapes only)
 #   bench-cluster scripts/bench_op.py --cluster-choice: streaming against cluster kernels at 2/4/8 CTAs per line

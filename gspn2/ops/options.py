@@ -191,7 +191,7 @@ def backend() -> str:
 
 
 def kernel_family() -> str:
-    """The propagation kernel family (``auto``, ``fast``, ``general`` or ``cluster``)."""
+    """The propagation kernel family (``auto``, ``fast``, ``general``, ``cluster`` or ``short``)."""
     return _current.kernel
 
 
