@@ -220,20 +220,20 @@ int short_bank_conflicts(int H, int W, int esize) {
 // 16 pixels, else 1, so a block is 2 or 4 warps.
 bool make_plan_short(PropagateParams& p, bool backward, const PlanOptions& o, int smem_limit, int nsm) {
   if (o.family != Family::Auto && o.family != Family::Short) return false;
-  if (o.family == Family::Auto) {
-    if (int64_t(2) * p.B * p.K < nsm) return false;
-    const int conflicts = short_bank_conflicts(p.H, p.W, element_size(p.dtype));
-    if (conflicts > 4 || (conflicts > 2 && std::max(p.H, p.W) < 24)) return false;
-    if (p.G == 8 && std::max(p.H, p.W) <= 8) return false;
-  }
   const int lmax = std::max(p.H, p.W);
-  const int smem = short_layout(p.G, p.H * p.W, element_size(p.dtype), backward).total;
+  const int smem = lmax <= kShortMaxLine ? short_layout(p.G, p.H * p.W, element_size(p.dtype), backward).total : 0;
   const bool fits = lmax <= kShortMaxLine && short_channels_supported(p.G) && smem <= smem_limit;
   if (!fits) {
     GSPN2_CHECK(o.family != Family::Short, "kernel='short' needs H and W of at most ", kShortMaxLine,
                 ", C / K in {1, 2, 4, 8} and the block's planes in ", smem_limit, " bytes of shared memory; got H = ",
                 p.H, ", W = ", p.W, ", C / K = ", p.G, ", ", smem, " bytes");
     return false;
+  }
+  if (o.family == Family::Auto) {
+    if (int64_t(2) * p.B * p.K < nsm) return false;
+    const int conflicts = short_bank_conflicts(p.H, p.W, element_size(p.dtype));
+    if (conflicts > 4 || (conflicts > 2 && lmax < 24)) return false;
+    if (p.G == 8 && lmax <= 8) return false;
   }
   p.kernel = 3;
   p.su = lmax <= 16 ? 2 : 1;

@@ -145,7 +145,7 @@ struct PropagateParams {
   int smem_bytes;
   // Streaming kernels (propagate_streaming.cu), chosen when kernel == 2.
   int kernel;  // 1: general kernels, 2: streaming kernels, 3: short-line kernels
-  int su;      // short-line kernels: lines (directions) per warp, 4, 2 or 1
+  int su;      // short-line kernels: lines (directions) per warp, 2 (lines of up to 16 pixels) or 1
   int nt;      // threads per block: one per line position, rounded up to a warp
   int pp;      // positions per exchange line (longest line + 2 halo, rounded); ls floats each
   int tile_h;  // horizontal scans load tiles of kFastTileF / kFastTileB steps through a per-thread stage

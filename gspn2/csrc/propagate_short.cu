@@ -5,8 +5,8 @@
 //   * Stage in: every input plane of the block is copied once into shared memory (16-byte cp.async along
 //     the contiguous planes), whatever the direction; a horizontal scan then reads its column-ordered steps
 //     from shared memory instead of visiting rows in global memory.
-//   * Scan: a direction's line sits in one warp, one lane per line position (a warp holds 4 lines of up to
-//     8 pixels, 2 of up to 16, or 1 of up to 32). The previous line's neighbours (forward) and the adjoint
+//   * Scan: a direction's line sits in one warp, one lane per line position (a warp holds 2 lines of up to
+//     16 pixels, or 1 of up to 32; PropagateParams::su). The previous line's neighbours (forward) and the adjoint
 //     terms of the next line (backward) move between lanes by warp shuffles: no barrier per step. Each
 //     step's inputs are read from shared memory one step ahead of the step that uses them.
 //   * Stage out: outputs replace the inputs they were computed from in shared memory (h over lam; grad_lam
@@ -136,7 +136,7 @@ struct Lane {
   bool active;
   __device__ __forceinline__ Lane(const PropagateParams& p) {
     const int lane = threadIdx.x & 31;
-    const int wshift = 5 - (p.su >> 1);  // log2 of the lanes per line: 32, 16, 8 for 1, 2, 4 lines per warp
+    const int wshift = p.su == 2 ? 4 : 5;  // log2 of the lanes per line: 16 for 2 lines per warp, else 32
     d = (threadIdx.x >> 5) * p.su + (lane >> wshift);
     q = lane & ((1 << wshift) - 1);
     const bool horiz = d < 2, inc = (d & 1) == 0;
