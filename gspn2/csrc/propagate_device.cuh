@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <c10/cuda/CUDAException.h>
+
 #include "propagate.h"
 
 namespace gspn2 {
@@ -136,6 +138,15 @@ __device__ __forceinline__ BlockIndex block_index(const PropagateParams& p) {
 }
 
 }  // namespace dev
+
+// Host: raises a kernel's opt-in dynamic shared memory to `bytes` where that is above the default 48 KB. Cheap,
+// and a per-device setting, so every launch that needs it calls it.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, int bytes) {
+  if (bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  }
+}
 
 // Host: calls fn with a value of the element type that `t` names (float, __half, __nv_bfloat16), so
 // that one generic lambda instantiates a kernel launch for all three.

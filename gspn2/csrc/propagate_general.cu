@@ -554,19 +554,11 @@ int device_sm_count() {
   return n;
 }
 
-template <typename Kernel>
-void set_smem(Kernel kernel, int bytes) {
-  // Cheap, and must be done per device: let every launch raise the opt-in limit it needs.
-  if (bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  }
-}
-
 template <typename scalar_t>
 void forward_impl(const PropagateParams& p, cudaStream_t stream) {
   const dim3 grid(4 * p.B * p.K * p.nsl);
   const dim3 block(p.nx * p.ny);
-  set_smem(gspn_forward_kernel<scalar_t>, p.smem_bytes);
+  allow_dynamic_smem(gspn_forward_kernel<scalar_t>, p.smem_bytes);
   gspn_forward_kernel<scalar_t><<<grid, block, p.smem_bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -575,7 +567,7 @@ template <typename scalar_t>
 void backward_impl(const PropagateParams& p, cudaStream_t stream) {
   const dim3 grid(4 * p.B * p.K * p.nsl);
   const dim3 block(p.nx * p.ny);
-  set_smem(gspn_backward_kernel<scalar_t>, p.smem_bytes);
+  allow_dynamic_smem(gspn_backward_kernel<scalar_t>, p.smem_bytes);
   gspn_backward_kernel<scalar_t><<<grid, block, p.smem_bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_backward_reduce(p, stream);

@@ -374,9 +374,7 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
 
 template <typename Kernel>
 void launch(Kernel kernel, const PropagateParams& p, cudaStream_t stream) {
-  if (p.smem_bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem_bytes));
-  }
+  allow_dynamic_smem(kernel, p.smem_bytes);
   kernel<<<p.B * p.K, p.nt, p.smem_bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
