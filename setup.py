@@ -71,6 +71,8 @@ def _extensions() -> tuple[list, dict]:
             os.path.join(CSRC, "dwconv.cpp"),
             os.path.join(CSRC, "dwconv_tile.cu"),
             os.path.join(CSRC, "rows.cpp"),
+            os.path.join(CSRC, "layer_norm.cpp"),
+            os.path.join(CSRC, "layer_norm_rows.cu"),
         ],
         include_dirs=[os.path.abspath(CSRC)],
         extra_compile_args={

@@ -11,8 +11,10 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <array>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace gspn2 {
@@ -39,11 +41,25 @@ std::vector<at::Tensor> rows_norm_linear_call(const at::Tensor& x, const std::op
                                               const std::optional<at::Tensor>& norm_weight,
                                               const std::optional<at::Tensor>& norm_bias, const at::Tensor& weight,
                                               const std::optional<at::Tensor>& bias, double eps, int64_t chunks,
-                                              at::ScalarType dtype);
+                                              at::ScalarType dtype, bool norm_kernel);
 
 at::Tensor rows_linear_call(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& skip_input, const std::optional<at::Tensor>& skip_scale,
                             at::ScalarType dtype);
+
+// gspn2::layer_norm (layer_norm.cpp): its dispatcher call, the CUDA implementations of the op and its backward
+// (called directly by the GEMM chains, rows.cpp), whether the kernel takes x, and the longest rows it takes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_call(const at::Tensor& x,
+                                                               const std::optional<at::Tensor>& weight,
+                                                               const std::optional<at::Tensor>& bias, double eps,
+                                                               bool gelu);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                   const at::Tensor& mean, const at::Tensor& rstd,
+                                                                   const std::optional<at::Tensor>& weight,
+                                                                   const std::optional<at::Tensor>& bias, bool gelu,
+                                                                   std::array<bool, 3> mask);
+bool layer_norm_kernel_supported(const at::Tensor& x);
+int64_t layer_norm_max_channels(at::ScalarType t);
 
 at::Tensor rows_gelu_linear_call(const at::Tensor& h, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 

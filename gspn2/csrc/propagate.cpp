@@ -640,6 +640,8 @@ py::dict limits() {
     if (dwconv_kernel_size_supported(k)) sizes.append(k);
   }
   d["dwconv_kernel_sizes"] = py::tuple(sizes);
+  d["layer_norm_max_channels_32bit"] = layer_norm_max_channels(at::kFloat);
+  d["layer_norm_max_channels_16bit"] = layer_norm_max_channels(at::kBFloat16);
   d["ablate"] = kAblate;
   return d;
 }
@@ -686,7 +688,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cols"));
   m.def("rows_norm_linear", &gspn2::rows_norm_linear_call, "gspn2::rows_norm_linear for eager callers", py::arg("x"),
         py::arg("gate"), py::arg("norm_weight"), py::arg("norm_bias"), py::arg("weight"), py::arg("bias"),
-        py::arg("eps"), py::arg("chunks"), py::arg("dtype"));
+        py::arg("eps"), py::arg("chunks"), py::arg("dtype"), py::arg("norm_kernel") = false);
+  m.def("layer_norm", &gspn2::layer_norm_call, "gspn2::layer_norm for eager callers", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("eps"), py::arg("gelu"));
   m.def("rows_linear", &gspn2::rows_linear_call, "gspn2::rows_linear for eager callers", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("skip_input"), py::arg("skip_scale"), py::arg("dtype"));
   m.def("rows_gelu_linear", &gspn2::rows_gelu_linear_call, "gspn2::rows_gelu_linear for eager callers",

@@ -3,7 +3,8 @@
 //
 //   gspn2::rows_norm_linear(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dtype) -> Tensor[]
 //       linear(layer_norm(x) [* silu(gate)], weight, bias) in `chunks` outputs; saves x, its row statistics
-//       and gate, and recomputes the normalised x in backward
+//       and gate, and recomputes the normalised x in backward; the norm is gspn2::layer_norm's CUDA kernel
+//       with `norm_kernel` (layer_norm.cpp), ATen's otherwise
 //   gspn2::rows_linear(x, weight, bias, skip_input, skip_scale, dtype) -> Tensor
 //       linear(x, weight, bias) [+ skip_input * skip_scale]
 //   gspn2::rows_gelu_linear(h, weight, bias) -> Tensor
@@ -20,7 +21,9 @@
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <array>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "calls.h"
@@ -35,6 +38,7 @@ using torch::autograd::variable_list;
 
 Tensor cast(const Tensor& t, at::ScalarType dtype) { return t.defined() ? t.to(dtype) : t; }
 Tensor opt(const std::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
+std::optional<Tensor> maybe(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
 // The dtype of each input the op casts, kept for backward as an int (-1: an undefined input), so that
 // backward returns each gradient in its input's dtype (what the cast's autograd node would return) without
 // keeping the uncast input alive.
@@ -67,9 +71,16 @@ struct NormLinearForward {
 
 // x, gate and the norm parameters in the dtypes the op computes in (gate, weight, bias: `dtype`; the norm's
 // parameters: x's dtype).
+// The norm of the rows: gspn2's LayerNorm kernel (`norm_kernel`, CUDA; layer_norm.cpp) or ATen's.
+std::tuple<Tensor, Tensor, Tensor> row_norm(const Tensor& x, const Tensor& nw, const Tensor& nb, double eps,
+                                            bool norm_kernel) {
+  if (norm_kernel) return layer_norm_call(x, maybe(nw), maybe(nb), eps, false);
+  return at::native_layer_norm(x, {x.size(-1)}, nw, nb, eps);
+}
+
 NormLinearForward norm_linear_math(const Tensor& x, const Tensor& gate, const Tensor& nw, const Tensor& nb,
-                                   const Tensor& w, const Tensor& b, double eps, int64_t chunks) {
-  auto [n, mean, rstd] = at::native_layer_norm(x, {x.size(-1)}, nw, nb, eps);
+                                   const Tensor& w, const Tensor& b, double eps, int64_t chunks, bool norm_kernel) {
+  auto [n, mean, rstd] = row_norm(x, nw, nb, eps, norm_kernel);
   Tensor m = n.to(w.scalar_type());
   if (gate.defined()) m = m * at::silu(gate);
   NormLinearForward r;
@@ -84,8 +95,12 @@ NormLinearForward norm_linear_math(const Tensor& x, const Tensor& gate, const Te
   return r;
 }
 
-void check_norm_linear(const Tensor& x, const Tensor& gate, const Tensor& weight, int64_t chunks) {
+void check_norm_linear(const Tensor& x, const Tensor& gate, const Tensor& weight, int64_t chunks, bool norm_kernel) {
   check_rows("rows_norm_linear", x, weight, "x");
+  GSPN2_CHECK(!norm_kernel || layer_norm_kernel_supported(x),
+              "rows_norm_linear: `norm_kernel` needs CUDA rows that gspn2's LayerNorm kernel takes (float32, float16 "
+              "or bfloat16; C * element size a multiple of 4 bytes, C <= ", layer_norm_max_channels(x.scalar_type()),
+              "), got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
   GSPN2_CHECK(chunks >= 1 && weight.size(0) % chunks == 0,
                    "rows_norm_linear: `chunks` must be a positive int dividing ", weight.size(0), " outputs, got ",
                    chunks);
@@ -98,17 +113,18 @@ class NormLinearFunction : public torch::autograd::Function<NormLinearFunction> 
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& gate_,
                                const std::optional<Tensor>& norm_weight_, const std::optional<Tensor>& norm_bias_,
                                const Tensor& weight, const std::optional<Tensor>& bias_, double eps, int64_t chunks,
-                               at::ScalarType dtype) {
+                               at::ScalarType dtype, bool norm_kernel) {
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const Tensor gate = opt(gate_), norm_weight = opt(norm_weight_), norm_bias = opt(norm_bias_), bias = opt(bias_);
     const Tensor gate_c = cast(gate, dtype), nw = cast(norm_weight, x.scalar_type());
     const Tensor nb = cast(norm_bias, x.scalar_type()), w = cast(weight, dtype), b = cast(bias, dtype);
-    NormLinearForward f = norm_linear_math(x, gate_c, nw, nb, w, b, eps, chunks);
+    NormLinearForward f = norm_linear_math(x, gate_c, nw, nb, w, b, eps, chunks, norm_kernel);
     ctx->save_for_backward({x, gate_c, nw, nb, f.mean, f.rstd, w});
     ctx->saved_data["dtypes"] = std::vector<int64_t>{dtype_of(gate), dtype_of(norm_weight), dtype_of(norm_bias),
                                                      dtype_of(weight), dtype_of(bias)};
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["chunks"] = chunks;
+    ctx->saved_data["norm_kernel"] = norm_kernel;
     return f.outs;
   }
 
@@ -118,6 +134,7 @@ class NormLinearFunction : public torch::autograd::Function<NormLinearFunction> 
     const Tensor &x = s_[0], &gate = s_[1], &nw = s_[2], &nb = s_[3], &mean = s_[4], &rstd = s_[5], &w = s_[6];
     const double eps = ctx->saved_data["eps"].toDouble();
     const int64_t chunks = ctx->saved_data["chunks"].toInt();
+    const bool norm_kernel = ctx->saved_data["norm_kernel"].toBool();
     const int64_t rows = w.size(0) / chunks;
     std::vector<Tensor> weights, grads;
     for (int64_t i = 0; i < chunks; ++i) {
@@ -131,7 +148,7 @@ class NormLinearFunction : public torch::autograd::Function<NormLinearFunction> 
     const bool need_w = need[4], need_b = need[5];
     Tensor grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b;
     // The same kernel on the same input as in forward: bitwise the forward's normalised x.
-    const Tensor n = std::get<0>(at::native_layer_norm(x, {x.size(-1)}, nw, nb, eps));
+    const Tensor n = std::get<0>(row_norm(x, nw, nb, eps, norm_kernel));
     const Tensor m0 = n.to(w.scalar_type());
     const Tensor s = gate.defined() ? at::silu(gate) : Tensor();
     if (need_w) {
@@ -169,12 +186,14 @@ class NormLinearFunction : public torch::autograd::Function<NormLinearFunction> 
         grad_n = grad_n.defined() ? grad_n + grad_m.to(x.scalar_type()) : grad_m.to(x.scalar_type());
       }
       if (need_x || need_nw || need_nb) {
-        std::tie(grad_x, grad_nw, grad_nb) = at::native_layer_norm_backward(
-            grad_n, x, {x.size(-1)}, mean, rstd, nw, nb, {need_x, need_nw && nw.defined(), need_nb && nb.defined()});
+        const std::array<bool, 3> mask{need_x, need_nw && nw.defined(), need_nb && nb.defined()};
+        std::tie(grad_x, grad_nw, grad_nb) =
+            norm_kernel ? layer_norm_backward(grad_n, x, mean, rstd, maybe(nw), maybe(nb), false, mask)
+                        : at::native_layer_norm_backward(grad_n, x, {x.size(-1)}, mean, rstd, nw, nb, mask);
       }
     }
     return {grad_x,         back(grad_gate, dt[0]), back(grad_nw, dt[1]), back(grad_nb, dt[2]),
-            back(grad_w, dt[3]), back(grad_b, dt[4]),  Tensor(),              Tensor(), Tensor()};
+            back(grad_w, dt[3]), back(grad_b, dt[4]),  Tensor(),              Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -182,9 +201,9 @@ std::vector<Tensor> rows_norm_linear_autograd(const Tensor& x, const std::option
                                               const std::optional<Tensor>& norm_weight,
                                               const std::optional<Tensor>& norm_bias, const Tensor& weight,
                                               const std::optional<Tensor>& bias, double eps, int64_t chunks,
-                                              at::ScalarType dtype) {
-  check_norm_linear(x, opt(gate), weight, chunks);
-  return NormLinearFunction::apply(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dtype);
+                                              at::ScalarType dtype, bool norm_kernel) {
+  check_norm_linear(x, opt(gate), weight, chunks, norm_kernel);
+  return NormLinearFunction::apply(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dtype, norm_kernel);
 }
 
 // Below autograd (an inference call, a trace below the autograd key): the forward alone.
@@ -192,12 +211,12 @@ std::vector<Tensor> rows_norm_linear_plain(const Tensor& x, const std::optional<
                                            const std::optional<Tensor>& norm_weight,
                                            const std::optional<Tensor>& norm_bias, const Tensor& weight,
                                            const std::optional<Tensor>& bias, double eps, int64_t chunks,
-                                           at::ScalarType dtype) {
-  check_norm_linear(x, opt(gate), weight, chunks);
+                                           at::ScalarType dtype, bool norm_kernel) {
+  check_norm_linear(x, opt(gate), weight, chunks, norm_kernel);
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   return norm_linear_math(x, cast(opt(gate), dtype), cast(opt(norm_weight), x.scalar_type()),
                           cast(opt(norm_bias), x.scalar_type()), weight.to(dtype), cast(opt(bias), dtype), eps,
-                          chunks)
+                          chunks, norm_kernel)
       .outs;
 }
 
@@ -311,11 +330,11 @@ std::vector<at::Tensor> rows_norm_linear_call(const at::Tensor& x, const std::op
                                               const std::optional<at::Tensor>& norm_weight,
                                               const std::optional<at::Tensor>& norm_bias, const at::Tensor& weight,
                                               const std::optional<at::Tensor>& bias, double eps, int64_t chunks,
-                                              at::ScalarType dtype) {
+                                              at::ScalarType dtype, bool norm_kernel) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("gspn2::rows_norm_linear", "")
                              .typed<decltype(rows_norm_linear_call)>();
-  return op.call(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dtype);
+  return op.call(x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dtype, norm_kernel);
 }
 
 at::Tensor rows_linear_call(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -337,7 +356,7 @@ at::Tensor rows_gelu_linear_call(const at::Tensor& h, const at::Tensor& weight, 
 
 TORCH_LIBRARY_FRAGMENT(gspn2, m) {
   m.def("rows_norm_linear(Tensor x, Tensor? gate, Tensor? norm_weight, Tensor? norm_bias, Tensor weight, "
-        "Tensor? bias, float eps, int chunks, ScalarType dtype) -> Tensor[]");
+        "Tensor? bias, float eps, int chunks, ScalarType dtype, bool norm_kernel=False) -> Tensor[]");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? skip_input, Tensor? skip_scale, "
         "ScalarType dtype) -> Tensor");
   m.def("rows_gelu_linear(Tensor h, Tensor weight, Tensor? bias) -> Tensor");

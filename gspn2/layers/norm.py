@@ -11,10 +11,13 @@ from timm.layers import LayerNorm2d as _TimmLayerNorm2d
 from timm.layers import register_notrace_function
 
 from gspn2.ops._amp import autocast_enabled
+from gspn2.ops.layernorm import layer_norm as gspn2_layer_norm
+from gspn2.ops.layernorm import use_kernel as use_layer_norm_kernel
 
-__all__ = ["LayerNorm2d", "layer_norm_last_dim"]
+__all__ = ["LayerNorm2d", "layer_norm2d_gelu", "layer_norm_last_dim"]
 
 torch.fx.wrap("layer_norm_last_dim")  # the same for a plain torch.fx.symbolic_trace
+torch.fx.wrap("layer_norm2d_gelu")
 
 
 @register_notrace_function  # torch.fx: the autocast query must run when the graph runs
@@ -26,13 +29,17 @@ def layer_norm_last_dim(
     Autocast runs ``layer_norm`` in fp32: a bf16 input is copied to fp32, normalised by the fp32 kernel,
     saved for backward in fp32 and copied back to bf16 by the next convolution or GEMM. Here the kernel
     reads and writes the activation dtype instead (its statistics are fp32 inside the kernel either way)
-    and ``weight``/``bias`` are cast to that dtype, as the CUDA kernel wants one dtype for all three.
-    Without autocast this is plain ``F.layer_norm``.
+    and ``weight``/``bias`` are cast to that dtype, as ATen's CUDA kernel wants one dtype for all three.
+    Without autocast this is plain ``F.layer_norm``. Eagerly on CUDA tensors, gspn2's LayerNorm kernel
+    (:func:`gspn2.ops.layer_norm`, the option ``layer_norm``) computes it instead, in ``x.dtype`` with the
+    parameters read in their own dtype.
 
     Shapes: ``(..., C) -> (..., C)``; ``weight`` and ``bias`` are ``(C,)`` or None.
     """
     if torch.jit.is_scripting():  # the autocast query is not scriptable: plain F.layer_norm
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    if x.is_cuda and use_layer_norm_kernel(x):  # eager CUDA: gspn2's kernel, float32 parameters read as they are
+        return gspn2_layer_norm(x, weight, bias, eps)
     device_type = x.device.type
     if autocast_enabled(device_type):
         dt = x.dtype
@@ -41,6 +48,21 @@ def layer_norm_last_dim(
         with torch.autocast(device_type, enabled=False):
             return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+@register_notrace_function
+def layer_norm2d_gelu(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
+    """``F.gelu(LayerNorm2d(x))`` over the channels of ``(B, C, H, W)``: one pass of gspn2's kernel where
+    :func:`layer_norm_last_dim` would take it (eager CUDA), else the norm and then ``F.gelu``, as the two
+    modules compute it."""
+    rows = x.permute(0, 2, 3, 1)
+    if torch.jit.is_scripting():  # the option query is not scriptable: the two modules' formula
+        return F.gelu(layer_norm_last_dim(rows, weight, bias, eps).permute(0, 3, 1, 2))
+    if x.is_cuda and use_layer_norm_kernel(rows):
+        return gspn2_layer_norm(rows, weight, bias, eps, gelu=True).permute(0, 3, 1, 2)
+    return F.gelu(layer_norm_last_dim(rows, weight, bias, eps).permute(0, 3, 1, 2))
 
 
 class LayerNorm2d(_TimmLayerNorm2d):
@@ -56,3 +78,8 @@ class LayerNorm2d(_TimmLayerNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = layer_norm_last_dim(x.permute(0, 2, 3, 1), self.weight, self.bias, self.eps)
         return y.permute(0, 3, 1, 2)
+
+    @torch.jit.unused
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.gelu(self(x))`` (erf form), through :func:`layer_norm2d_gelu`."""
+        return layer_norm2d_gelu(x, self.weight, self.bias, self.eps)

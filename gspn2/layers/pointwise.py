@@ -35,6 +35,7 @@ from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
 from gspn2.ops import options as _options
 from gspn2.ops.gelu_gemm import gelu_linear as _gelu_linear_op
+from gspn2.ops.layernorm import use_kernel as _use_layer_norm_kernel
 from gspn2.ops.norm_backward import norm_gate_backward
 from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
@@ -270,8 +271,9 @@ class _NormLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks):
+        ctx.norm_kernel = _use_layer_norm_kernel(x)
         with autocast_off(x.device.type):
-            n, mean, rstd = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
+            n, mean, rstd = _row_norm(x, norm_weight, norm_bias, eps, ctx.norm_kernel)
             m = n.to(weight.dtype)
             if gate is not None:
                 m = m * F.silu(gate)
@@ -297,7 +299,7 @@ class _NormLinear(torch.autograd.Function):
             return _NormLinear._fused_backward(ctx, grads[0], x, gate, norm_weight, norm_bias, mean, rstd, weight)
         with autocast_off(x.device.type):
             # The same kernel on the same input as in forward: bitwise the forward's normalised x.
-            n = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, ctx.eps)[0]
+            n = _row_norm(x, norm_weight, norm_bias, ctx.eps, ctx.norm_kernel)[0]
             m0 = n.to(weight.dtype)
             s = F.silu(gate) if gate is not None else None
             if need[4]:
@@ -318,9 +320,16 @@ class _NormLinear(torch.autograd.Function):
                         grad_m = grad_m * s
                     grad_n = grad_m.to(x.dtype) if grad_n is None else grad_n + grad_m.to(x.dtype)
                 if need[0] or need[2] or need[3]:
-                    grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
-                        grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
-                    )
+                    mask = [need[0], need[2] and norm_weight is not None, need[3] and norm_bias is not None]
+                    if ctx.norm_kernel:
+                        grad_x, grad_nw, grad_nb = torch.ops.gspn2.layer_norm_backward.default(
+                            grad_n, x, mean, rstd, norm_weight, norm_bias, False, mask
+                        )
+                        grad_x, grad_nw, grad_nb = (g if m else None for g, m in zip((grad_x, grad_nw, grad_nb), mask))
+                    else:
+                        grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
+                            grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
+                        )
         return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None
 
     @staticmethod
@@ -338,6 +347,13 @@ class _NormLinear(torch.autograd.Function):
             grad_b = grad_out.sum(0) if ctx.has_bias and need[5] else None
         return (grad_x if need[0] else None, grad_gate if need[1] else None, grad_nw if need[2] else None,
                 grad_nb if need[3] else None, grad_w, grad_b, None, None)
+
+
+def _row_norm(x, norm_weight, norm_bias, eps, kernel: bool):
+    """``(normalised rows, mean, rstd)``: gspn2's LayerNorm kernel (``kernel``, eager CUDA rows) or ATen's."""
+    if kernel:
+        return torch.ops.gspn2.layer_norm.default(x, norm_weight, norm_bias, eps, False)
+    return torch.ops.aten.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
 
 
 def _fused_norm_backward(x: torch.Tensor) -> bool:
@@ -378,7 +394,7 @@ def norm_linear(
     if _use_cpp():
         return _rows_call(
             "rows_norm_linear",
-            x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt
+            x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt, _use_layer_norm_kernel(x)
         )
     outs = _NormLinear.apply(
         x,

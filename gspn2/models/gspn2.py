@@ -153,6 +153,41 @@ def _check_chunk(name: str, value: object) -> None:
             raise ValueError(f"`{name}` must be None (global) or an int >= 1 (local), got {value!r}")
 
 
+class Stem(nn.Sequential):
+    """Overlapping stride-4 stem: ``conv3x3/2 -> LayerNorm2d -> GELU -> conv3x3/2 -> LayerNorm2d``.
+
+    A ``nn.Sequential`` (parameters ``stem.0``, ``stem.1``, ``stem.3``, ``stem.4``; timm's feature wrappers
+    run its children in order), whose own forward gives the first norm and the GELU to one pass of gspn2's
+    LayerNorm kernel where it runs (eager CUDA, :meth:`LayerNorm2d.forward_gelu`): the same function.
+
+    Shapes: ``(B, in_chans, H, W) -> (B, out_chs, ceil(H / 4), ceil(W / 4))``.
+    """
+
+    def __init__(self, in_chans: int, mid_chs: int, out_chs: int) -> None:
+        super().__init__(
+            nn.Conv2d(in_chans, mid_chs, 3, stride=2, padding=1),
+            LayerNorm2d(mid_chs),
+            nn.GELU(),
+            nn.Conv2d(mid_chs, out_chs, 3, stride=2, padding=1),
+            LayerNorm2d(out_chs),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self[0](x)
+        if torch.jit.is_scripting():
+            x = self[2](self[1](x))
+        elif _fuses_gelu(self[1], self[2]):
+            x = self[1].forward_gelu(x)
+        else:  # other modules in their place (a test oracle's, a user's): run them
+            x = self[2](self[1](x))
+        return self[4](self[3](x))
+
+
+def _fuses_gelu(norm: nn.Module, act: nn.Module) -> bool:
+    """Whether ``act(norm(x))`` is :meth:`LayerNorm2d.forward_gelu`: gspn2's norm and an erf-form GELU."""
+    return isinstance(norm, LayerNorm2d) and type(act) is nn.GELU and act.approximate == "none"
+
+
 class LocalPerceptionUnit(nn.Module):
     """``x + DWConv(x)``: a cheap local-context residual in front of the mixer and the MLP.
 
@@ -480,13 +515,7 @@ class GSPN2(nn.Module):
 
         # Overlapping stride-4 stem: two 3x3 stride-2 convs keep odd sizes and border pixels.
         stem_mid = max(1, dims[0] // 2)
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_chans, stem_mid, 3, stride=2, padding=1),
-            LayerNorm2d(stem_mid),
-            nn.GELU(),
-            nn.Conv2d(stem_mid, dims[0], 3, stride=2, padding=1),
-            LayerNorm2d(dims[0]),
-        )
+        self.stem = Stem(in_chans, stem_mid, dims[0])
 
         # Stochastic depth grows linearly over all blocks (timm's calculate_drop_path_rates, not in
         # every timm >= 1.0.15 that we support).

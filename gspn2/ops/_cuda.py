@@ -61,7 +61,7 @@ def require_extension() -> None:
 
 
 #: The ops with a direct eager entry in the extension (gspn2/csrc/calls.h).
-DIRECT_CALLS = ("propagate", "depthwise_conv2d", "rows_norm_linear", "rows_linear", "rows_gelu_linear")
+DIRECT_CALLS = ("propagate", "depthwise_conv2d", "layer_norm", "rows_norm_linear", "rows_linear", "rows_gelu_linear")
 
 
 def direct_call(name: str):

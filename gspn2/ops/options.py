@@ -39,6 +39,11 @@ environment         option                               values
                     ``fc2(gelu(h))``                     before the fc2 GEMM (Inductor fuses it with its
                                                          neighbours); ``fused``: one
                                                          ``gspn2.ops.gelu_linear`` (GELU inside the GEMMs)
+``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
+``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
+                    (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
+                    GEMM chains' norms, the stem's       the kernel, else an error; ``aten``: always
+                    norm and GELU)                       ATen's ``layer_norm`` (comparisons)
 ``GSPN2_EAGER_``    ``eager_autograd``: the training     ``auto``: outside ``torch.compile``, the C++ ops
 ``AUTOGRAD``        formulation's GEMM chains            ``gspn2::rows_*`` (their forward and backward
                     (``gspn2.layers.norm_linear``,       without Python) when the extension is built;
@@ -63,6 +68,7 @@ __all__ = [
     "DWCONV_KERNELS",
     "DWCONV_TILE_COLS",
     "EAGER_AUTOGRAD_ENV",
+    "LAYER_NORM_ENV",
     "FORMULATIONS",
     "KERNELS",
     "KERNEL_ENV",
@@ -86,6 +92,7 @@ MERGE_ENV = "GSPN2_MERGE"
 MLP_ENV = "GSPN2_MLP"
 NORM_BACKWARD_ENV = "GSPN2_NORM_BACKWARD"
 EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
+LAYER_NORM_ENV = "GSPN2_LAYER_NORM"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster", "short")
@@ -105,6 +112,7 @@ _CHOICES = {
     "mlp": FORMULATIONS,
     "norm_backward": FORMULATIONS,
     "eager_autograd": ("auto", "python"),
+    "layer_norm": ("auto", "cuda", "aten"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {
@@ -115,6 +123,7 @@ _ENV = {
     "mlp": MLP_ENV,
     "norm_backward": NORM_BACKWARD_ENV,
     "eager_autograd": EAGER_AUTOGRAD_ENV,
+    "layer_norm": LAYER_NORM_ENV,
 }
 
 
@@ -132,6 +141,7 @@ class Options:
     mlp: str = "auto"
     norm_backward: str = "auto"
     eager_autograd: str = "auto"
+    layer_norm: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
