@@ -82,7 +82,8 @@ LayerNormPlan plan_for(const Tensor& x, bool backward) {
 
 void check_plan(const LayerNormPlan& q, const Tensor& x) {
   GSPN2_CHECK(q.ok, "layer_norm: the CUDA kernel takes rows of C * element size a multiple of 4 bytes and C <= ",
-              layer_norm_max_channels(x.scalar_type()), " (", x.scalar_type(), "), got C = ", x.size(-1));
+              layer_norm_max_channels(x.scalar_type()), " (", x.scalar_type(), "; a quarter of that where C * element "
+              "size is not a multiple of 16 bytes), got C = ", x.size(-1));
 }
 
 std::vector<int64_t> stat_shape(const Tensor& x) {

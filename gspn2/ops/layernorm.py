@@ -55,11 +55,14 @@ _LIB.define(
 )
 
 
-def max_channels(dtype: torch.dtype) -> int:
-    """The longest row (C) the kernel takes in ``dtype`` (0 without the extension)."""
+def max_channels(dtype: torch.dtype, row_bytes_multiple_of_16: bool = True) -> int:
+    """The longest row (C) the kernel takes in ``dtype`` (0 without the extension): with 16-byte vectors,
+    or (``row_bytes_multiple_of_16=False``) with the 4-byte vectors of rows whose size is not a multiple of
+    16 bytes."""
     if not _EXTENSION:
         return 0
-    return int(_LIMITS["layer_norm_max_channels_32bit" if dtype == torch.float32 else "layer_norm_max_channels_16bit"])
+    limit = int(_LIMITS["layer_norm_max_channels_32bit" if dtype == torch.float32 else "layer_norm_max_channels_16bit"])
+    return limit if row_bytes_multiple_of_16 else limit * 4 // 16
 
 
 def kernel_supported(x: torch.Tensor) -> bool:
@@ -67,8 +70,8 @@ def kernel_supported(x: torch.Tensor) -> bool:
     tensor of float32 / float16 / bfloat16, rows of a multiple of 4 bytes, at most :func:`max_channels`."""
     if not (_EXTENSION and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() >= 1 and x.numel() > 0):
         return False
-    C = x.shape[-1]
-    return (C * x.element_size()) % 4 == 0 and C <= max_channels(x.dtype)
+    row_bytes = x.shape[-1] * x.element_size()
+    return row_bytes % 4 == 0 and x.shape[-1] <= max_channels(x.dtype, row_bytes % 16 == 0)
 
 
 def _check(name: str, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps) -> None:
@@ -246,7 +249,8 @@ def use_kernel(x: torch.Tensor) -> bool:
         raise ValueError(
             f"{_options.LAYER_NORM_ENV}=cuda, but the LayerNorm kernel cannot take `x` ({x.dtype}, C = {C}): it "
             f"needs the extension, float32/float16/bfloat16, C * element size a multiple of 4 bytes and "
-            f"C <= {max_channels(x.dtype)}"
+            f"C <= {max_channels(x.dtype)} ({max_channels(x.dtype, False)} where C * element size is not a "
+            f"multiple of 16 bytes)"
         )
     return False
 

@@ -222,6 +222,21 @@ def test_kernel_on_channels_last_views_and_misaligned_rows():
 
 
 @cuda
+@pytest.mark.parametrize("C, dtype", [(2048, torch.bfloat16), (2056, torch.bfloat16), (1002, torch.bfloat16),
+                                      (510, torch.float16), (514, torch.float16), (1024, torch.float32),
+                                      (256, torch.float32), (258, torch.float32), (5, torch.bfloat16)])
+def test_kernel_supported_is_what_the_kernel_takes(C, dtype):
+    x = torch.randn(3, C, device="cuda", dtype=dtype)
+    if LN.kernel_supported(x):
+        torch.testing.assert_close(OP(x, None, None, 1e-5, False)[0].double(), layer_norm_ref(x.double()),
+                                   **TOL[dtype])
+    else:
+        with pytest.raises(ValueError, match="the CUDA kernel takes rows of C"):
+            OP(x, None, None, 1e-5, False)
+        torch.testing.assert_close(layer_norm(x).double(), layer_norm_ref(x.double()), **TOL[dtype])  # ATen
+
+
+@cuda
 def test_option_choices_on_cuda():
     x = torch.randn(4, 5, device="cuda", dtype=torch.bfloat16)  # 10-byte rows: not the kernel's
     assert not LN.kernel_supported(x) and not LN.use_kernel(x)
