@@ -11,7 +11,7 @@ from timm.layers import LayerNorm2d as _TimmLayerNorm2d
 from timm.layers import register_notrace_function
 
 from gspn2.ops._amp import autocast_enabled
-from gspn2.ops.layernorm import layer_norm as gspn2_layer_norm
+from gspn2.ops.layernorm import kernel_call as layer_norm_kernel
 from gspn2.ops.layernorm import use_kernel as use_layer_norm_kernel
 
 __all__ = ["LayerNorm2d", "layer_norm2d_gelu", "layer_norm_last_dim"]
@@ -39,7 +39,7 @@ def layer_norm_last_dim(
     if torch.jit.is_scripting():  # the autocast query is not scriptable: plain F.layer_norm
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     if x.is_cuda and use_layer_norm_kernel(x):  # eager CUDA: gspn2's kernel, float32 parameters read as they are
-        return gspn2_layer_norm(x, weight, bias, eps)
+        return layer_norm_kernel(x, weight, bias, eps, False)
     device_type = x.device.type
     if autocast_enabled(device_type):
         dt = x.dtype
@@ -61,7 +61,7 @@ def layer_norm2d_gelu(
     if torch.jit.is_scripting():  # the option query is not scriptable: the two modules' formula
         return F.gelu(layer_norm_last_dim(rows, weight, bias, eps).permute(0, 3, 1, 2))
     if x.is_cuda and use_layer_norm_kernel(rows):
-        return gspn2_layer_norm(rows, weight, bias, eps, gelu=True).permute(0, 3, 1, 2)
+        return layer_norm_kernel(rows, weight, bias, eps, True).permute(0, 3, 1, 2)
     return F.gelu(layer_norm_last_dim(rows, weight, bias, eps).permute(0, 3, 1, 2))
 
 

@@ -41,7 +41,7 @@ from gspn2.ops import options as _options
 from gspn2.ops._amp import autocast_enabled
 from gspn2.ops._checks import check_tensor, refuse_forward_ad, refuse_nested
 
-__all__ = ["kernel_supported", "layer_norm", "layer_norm_ref", "max_channels", "use_kernel"]
+__all__ = ["kernel_call", "kernel_supported", "layer_norm", "layer_norm_ref", "max_channels", "use_kernel"]
 
 _EXTENSION = _cuda.extension_available()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -280,16 +280,22 @@ def layer_norm(
     if not isinstance(x, torch.Tensor):
         check_tensor("layer_norm", "x", x)  # raises the TypeError
     if use_kernel(x):
-        refuse_forward_ad("layer_norm", x=x, weight=weight, bias=bias)
-        if _DIRECT is not None and _cuda.direct_call_allowed((x, weight, bias)):
-            return _DIRECT(x, weight, bias, float(eps), gelu)[0]
-        return _OP(x, weight, bias, float(eps), gelu)[0]
+        return kernel_call(x, weight, bias, eps, gelu)
     _check("layer_norm", x, weight, bias, eps)
     device_type = "cuda" if x.is_cuda else x.device.type
     if autocast_enabled(device_type):
         with torch.autocast(device_type, enabled=False):
             return _aten_layer_norm(x, weight, bias, eps, gelu)
     return _aten_layer_norm(x, weight, bias, eps, gelu)
+
+
+def kernel_call(x, weight, bias, eps: float, gelu: bool) -> torch.Tensor:
+    """The op's output ``y`` for a caller that has already found :func:`use_kernel` true (the layers'
+    norms): the extension's direct entry where allowed, else ``torch.ops``."""
+    refuse_forward_ad("layer_norm", x=x, weight=weight, bias=bias)
+    if _DIRECT is not None and _cuda.direct_call_allowed((x, weight, bias)):
+        return _DIRECT(x, weight, bias, float(eps), gelu)[0]
+    return _OP(x, weight, bias, float(eps), gelu)[0]
 
 
 def _aten_layer_norm(x, weight, bias, eps, gelu):
