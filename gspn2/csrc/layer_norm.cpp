@@ -165,8 +165,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& grad_y_, co
   const int64_t C = x.size(-1);
   const auto f32 = x.options().dtype(at::kFloat);
   Tensor grad_x = mask[0] ? at::empty_like(x, at::MemoryFormat::Contiguous) : Tensor();
-  Tensor part_w = want_w ? at::empty({q.warps, C}, f32) : Tensor();
-  Tensor part_b = want_b ? at::empty({q.warps, C}, f32) : Tensor();
+  Tensor part_w = want_w ? at::empty({q.blocks, C}, f32) : Tensor();
+  Tensor part_b = want_b ? at::empty({q.blocks, C}, f32) : Tensor();
   LayerNormParams p;
   p.x = x.data_ptr();
   p.weight = w.defined() ? w.data_ptr<float>() : nullptr;

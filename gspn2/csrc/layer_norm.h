@@ -3,9 +3,11 @@
 //
 // A row of C elements is spread over T = 1..32 lanes of one warp (32 / T rows per warp), each lane holding NV
 // vectors of VEC elements (16 or 4 bytes) in registers; the row's sums are warp shuffles over its T lanes,
-// the statistics are fp32 and two-pass (mean, then the centred sum of squares). The backward keeps each
-// lane's weight and bias gradient columns in registers over a grid-stride loop of rows and writes one fp32
-// partial row per warp, which the host sums (a fixed order: deterministic).
+// the statistics are fp32 and two-pass (mean, then the centred sum of squares). The backward, one wave of
+// blocks over a grid-stride loop of rows, keeps each lane's weight and bias gradient columns in registers
+// (and, for rows of at most kLayerNormKeep elements per lane, the lane's parameters and the row between its
+// two passes), sums them over the block's warps in shared memory and writes one fp32 partial row per block,
+// which the host sums (a fixed order: deterministic).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,8 +28,8 @@ struct LayerNormParams {
   float* rstd = nullptr;           // (N,) or null
   const void* grad_y = nullptr;    // backward: (N, C)
   void* grad_x = nullptr;          // backward: (N, C) or null
-  float* partial_w = nullptr;      // backward: (warps, C) fp32 partial sums of grad_y * xhat, or null
-  float* partial_b = nullptr;      // backward: (warps, C) fp32 partial sums of grad_y, or null
+  float* partial_w = nullptr;      // backward: (blocks, C) fp32 partial sums of grad_y * xhat, or null
+  float* partial_b = nullptr;      // backward: (blocks, C) fp32 partial sums of grad_y, or null
   int64_t N = 0;
   int C = 0;
   float eps = 1e-5f;
@@ -36,18 +38,23 @@ struct LayerNormParams {
   cudaStream_t stream = nullptr;
 };
 
-// The shape of one launch: lanes per row, vectors per lane, the vector width, blocks and warps.
+// The shape of one launch: lanes per row, vectors per lane, the vector width, blocks.
 struct LayerNormPlan {
   bool ok = false;      // false: the kernels do not take this (C, dtype, alignment); the host falls back to ATen
   int lanes = 1;        // T, a power of two <= 32
   int vectors = 1;      // NV per lane, in {1, 2, 4, 8}
   int vec_bytes = 16;   // 16 or 4
-  int blocks = 0;
-  int warps = 0;        // blocks * warps per block: the rows of the backward's partial sums
+  int blocks = 0;       // the backward: also the rows of its partial sums
 };
 
 constexpr int kLayerNormThreads = 256;
 constexpr int kLayerNormMaxVectors = 8;
+// Elements per lane up to which the backward keeps a lane's parameters and its part of the row in registers.
+constexpr int kLayerNormKeep = 16;
+
+// Resident blocks per SM the backward is built for (its register cap): its weight and bias gradient
+// columns take 2 registers per element of a lane.
+constexpr int layer_norm_backward_blocks_per_sm(int elements_per_lane) { return elements_per_lane <= 24 ? 2 : 1; }
 
 // `aligned16` / `aligned4`: whether every row pointer the launch reads or writes is 16 (4) byte aligned.
 LayerNormPlan layer_norm_plan(int64_t N, int C, int esize, bool aligned16, bool aligned4, bool backward, int nsm);

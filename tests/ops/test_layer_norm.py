@@ -190,6 +190,26 @@ def test_kernel_without_parameters_and_many_rows(dtype):
 
 
 @cuda
+@pytest.mark.parametrize("C, dtype", [(80, torch.bfloat16), (320, torch.bfloat16), (960, torch.bfloat16),
+                                      (130, torch.bfloat16), (120, torch.float32)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_kernel_parameter_gradients_over_many_rows(C, dtype, gelu):
+    # Enough rows that every warp of the backward's one wave walks several row groups and every block sums
+    # its warps' columns: the weight and bias gradients against the float64 reference.
+    x, w, b = _inputs((50_003, C), device="cuda", seed=C + gelu)
+    x = x.to(dtype)
+    g = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
+    wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()
+    layer_norm_ref(x.double(), wr, br, 1e-6, gelu).backward(g.double())
+    wk, bk = w.float().requires_grad_(), b.float().requires_grad_()
+    xk = x.clone().requires_grad_()
+    layer_norm(xk, wk, bk, 1e-6, gelu).backward(g)
+    # float32 sums of 50 003 products: an absolute tolerance of a few thousandths of the sums' size (~220)
+    torch.testing.assert_close(wk.grad.double(), wr.grad, rtol=1e-4, atol=5e-3)
+    torch.testing.assert_close(bk.grad.double(), br.grad, rtol=1e-4, atol=5e-3)
+
+
+@cuda
 def test_kernel_is_deterministic():
     x, w, b = _inputs((64, 56, 56, 80), device="cuda")
     x, w, b = x.bfloat16(), w.float().requires_grad_(), b.float().requires_grad_()
