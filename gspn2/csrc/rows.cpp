@@ -256,11 +256,14 @@ class RowsLinearFunction : public torch::autograd::Function<RowsLinearFunction> 
     const Tensor &x = s_[0], &w = s_[1], &si = s_[2], &ss = s_[3];
     const std::vector<int64_t> dt = ctx->saved_data["dtypes"].toIntVector();
     const Tensor& g = grad_outs[0];
+    // A skip input of a wider dtype widens the output and its gradient; the GEMM's part of it is in the
+    // GEMM's dtype (as autograd casts the gradient of a GEMM's output).
+    const Tensor g_mm = g.to(x.scalar_type());
     const std::vector<bool> need = needs_grad(ctx, {true, true, dt[2] >= 0, si.defined(), dt[3] >= 0});
     Tensor grad_x, grad_w, grad_b, grad_si, grad_ss;
-    if (need[0]) grad_x = at::mm(g, w);
-    if (need[1]) grad_w = at::mm(g.t(), x);
-    if (need[2]) grad_b = g.sum(0);
+    if (need[0]) grad_x = at::mm(g_mm, w);
+    if (need[1]) grad_w = at::mm(g_mm.t(), x);
+    if (need[2]) grad_b = g_mm.sum(0);
     if (need[3]) grad_si = g * ss;
     if (need[4]) grad_ss = (g * si).sum(0);
     return {back(grad_x, dt[0]), back(grad_w, dt[1]), back(grad_b, dt[2]), grad_si, back(grad_ss, dt[3]), Tensor()};

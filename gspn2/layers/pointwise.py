@@ -219,13 +219,16 @@ class _RowsLinear(torch.autograd.Function):
         x, weight, skip_input, skip_scale = ctx.saved_tensors
         need = ctx.needs_input_grad
         grad_x = grad_w = grad_b = grad_si = grad_ss = None
+        # A skip input of a wider dtype widens the output and its gradient; the GEMM's part of it is in the
+        # GEMM's dtype (as autograd casts the gradient of a GEMM's output).
+        g = grad_out.to(x.dtype)
         with autocast_off(x.device.type):
             if need[0]:
-                grad_x = grad_out @ weight
+                grad_x = g @ weight
             if need[1]:
-                grad_w = grad_out.t() @ x
+                grad_w = g.t() @ x
             if ctx.has_bias and need[2]:
-                grad_b = grad_out.sum(0)
+                grad_b = g.sum(0)
             if skip_input is not None:
                 if need[3]:
                     grad_si = grad_out * skip_scale

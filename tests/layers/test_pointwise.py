@@ -118,6 +118,18 @@ def test_rows_linear_gradcheck_and_values(impl):
     for got, want in zip(grads, ref_grads):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
+    # A float32 skip input widens the output to float32; the GEMM's gradients stay bf16 GEMMs, as autograd's.
+    vf = torch.randn(64, 32, generator=g).requires_grad_()
+    inputs = (xs, ws, bs, vf, ss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = rows_linear(*inputs)
+        ref = torch.addcmul(F.linear(xs, ws, bs), vf, ss)
+    assert out.dtype == ref.dtype == torch.float32 and torch.equal(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.square().sum(), inputs)
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
 
 def _leaf(t, requires_grad=True):
     return t.detach().clone().requires_grad_(requires_grad)
