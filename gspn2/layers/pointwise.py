@@ -40,8 +40,8 @@ from gspn2.ops.norm_backward import norm_gate_backward
 from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
 __all__ = [
-    "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows", "gelu_linear", "norm_linear",
-    "rows_linear", "to_rows",
+    "POINTWISE_MAX_IN", "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows", "gelu_linear",
+    "norm_linear", "rows_linear", "to_rows",
 ]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
@@ -83,6 +83,44 @@ def _rows_call(name: str, *args):
 def _use_cpp() -> bool:
     """Whether this call takes the C++ op: built, allowed by the option, and not traced by Dynamo."""
     return _CPP_OPS and _options.current().eager_autograd == "auto" and not torch.compiler.is_compiling()
+
+
+#: Under ``torch.compile``, a training GEMM (:func:`rows_linear`) with at most this many input features (the
+#: mixer's ``proj_up`` has ``4 * proxy_dim``) is computed as that many broadcast multiply-adds (option
+#: ``small_gemm``, :func:`_linear`): Inductor then fuses it into the kernel that reads its output (the skip,
+#: the norm and the gate after ``proj_up``), where cuBLAS would write the full-width output and the next
+#: kernel read it back. Inference (:class:`Conv1x1`) keeps the GEMM: there Inductor's fusion of the same
+#: chain measured slower (docs/benchmarks.md, "Narrow GEMMs as multiply-adds").
+POINTWISE_MAX_IN = 16
+
+
+def _pointwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as ``x.shape[-1]`` broadcast multiply-adds: inputs rounded to the GEMM's
+    dtype (the autocast dtype when autocast is on, else ``x``'s), products and sums in float32, the result
+    rounded once, as cuBLAS does."""
+    dt = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
+    xs = x.to(dt).float()
+    w = weight.to(dt).float()
+    acc = xs[..., 0:1] * w[:, 0]
+    for k in range(1, x.shape[-1]):
+        acc = acc + xs[..., k : k + 1] * w[:, k]
+    if bias is not None:
+        acc = acc + bias.to(dt).float()
+    return acc.to(dt)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of the training GEMMs; while ``torch.compile`` traces it, a GEMM of at most
+    :data:`POINTWISE_MAX_IN` input features is written as multiply-adds unless the option ``small_gemm`` is
+    ``gemm`` (:mod:`gspn2.ops.options`). Shapes: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` or None.
+    """
+    if (
+        torch.compiler.is_compiling()
+        and x.shape[-1] <= POINTWISE_MAX_IN
+        and _options.current().small_gemm != "gemm"
+    ):
+        return _pointwise_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +245,7 @@ class _RowsLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, skip_input, skip_scale):
         with autocast_off(x.device.type):
-            out = F.linear(x, weight, bias)
+            out = _linear(x, weight, bias)
             if skip_input is not None:
                 out = torch.addcmul(out, skip_input, skip_scale)
         ctx.save_for_backward(x, weight, skip_input, skip_scale)

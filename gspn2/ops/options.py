@@ -39,6 +39,12 @@ environment         option                               values
                     ``fc2(gelu(h))``                     before the fc2 GEMM (Inductor fuses it with its
                                                          neighbours); ``fused``: one
                                                          ``gspn2.ops.gelu_linear`` (GELU inside the GEMMs)
+``GSPN2_SMALL_``    ``small_gemm``: under                ``auto`` / ``pointwise``: GEMMs of at most
+``GEMM``            ``torch.compile``, the training      ``POINTWISE_MAX_IN`` inputs
+                    formulation's GEMMs with few         (``gspn2.layers.pointwise``) as that many
+                    input features (the mixer's          broadcast multiply-adds, which Inductor fuses
+                    ``proj_up``: ``4 * proxy_dim``)      with the skip, norm and gate after them
+                                                         (measured faster); ``gemm``: always a GEMM
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
@@ -75,6 +81,7 @@ __all__ = [
     "MERGE_ENV",
     "MLP_ENV",
     "NORM_BACKWARD_ENV",
+    "SMALL_GEMM_ENV",
     "Options",
     "backend",
     "current",
@@ -93,6 +100,7 @@ MLP_ENV = "GSPN2_MLP"
 NORM_BACKWARD_ENV = "GSPN2_NORM_BACKWARD"
 EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 LAYER_NORM_ENV = "GSPN2_LAYER_NORM"
+SMALL_GEMM_ENV = "GSPN2_SMALL_GEMM"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster", "short")
@@ -113,6 +121,7 @@ _CHOICES = {
     "norm_backward": FORMULATIONS,
     "eager_autograd": ("auto", "python"),
     "layer_norm": ("auto", "cuda", "aten"),
+    "small_gemm": ("auto", "gemm", "pointwise"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {
@@ -124,6 +133,7 @@ _ENV = {
     "norm_backward": NORM_BACKWARD_ENV,
     "eager_autograd": EAGER_AUTOGRAD_ENV,
     "layer_norm": LAYER_NORM_ENV,
+    "small_gemm": SMALL_GEMM_ENV,
 }
 
 
@@ -142,6 +152,7 @@ class Options:
     norm_backward: str = "auto"
     eager_autograd: str = "auto"
     layer_norm: str = "auto"
+    small_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

@@ -42,6 +42,7 @@ def backend_info(device: torch.device) -> dict[str, object]:
         "norm_backward": current().norm_backward,
         "eager_autograd": current().eager_autograd,
         "layer_norm": current().layer_norm,
+        "small_gemm": current().small_gemm,
         "extension_built": extension_available(),
     }
 
@@ -55,7 +56,7 @@ def describe(info: dict[str, object]) -> str:
         f"gspn2 op: {info['op']} (GSPN2_BACKEND={info['op_backend']}{family}), "
         f"depthwise conv: GSPN2_DWCONV={info['dwconv_backend']}, GSPN2_MERGE={info['merge']}, "
         f"GSPN2_MLP={info['mlp']}, GSPN2_NORM_BACKWARD={info['norm_backward']}, GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
-        f"GSPN2_LAYER_NORM={info['layer_norm']}, "
+        f"GSPN2_LAYER_NORM={info['layer_norm']}, GSPN2_SMALL_GEMM={info['small_gemm']}, "
         f"extension built: {info['extension_built']}"
     )
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gspn2.layers import ChunkedConv1x1, Conv1x1, cpp_ops_available, gelu_linear, norm_linear, rows_linear
+from gspn2.layers.pointwise import POINTWISE_MAX_IN
 from gspn2.ops import options
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -229,6 +230,71 @@ def test_compile_traces_the_python_functions():
     assert type(fn(x, w).grad_fn).__name__ == "CppFunction"
     with options.override(eager_autograd="python"):
         assert type(fn(x, w).grad_fn).__name__ != "CppFunction"
+
+
+def _compiled_targets(fn, *args):
+    """``fn`` compiled with a backend that keeps Dynamo's graphs: the result and the names of every function
+    the graphs call (the subgraphs of autograd functions included)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    targets = {str(n.target) for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+               for n in sub.graph.nodes if n.op == "call_function"}
+    return out, targets
+
+
+@pytest.mark.parametrize("small_gemm", ["auto", "gemm", "pointwise"])
+def test_narrow_gemms_under_compile_follow_the_option(small_gemm):
+    """Under torch.compile, rows_linear (the training GEMMs) with at most POINTWISE_MAX_IN inputs is
+    multiply-adds (no GEMM in the graph) unless ``small_gemm="gemm"``; a wider one stays a GEMM, and so does
+    Conv1x1 (inference) of any width."""
+    g = torch.Generator().manual_seed(0)
+    narrow, wide = Conv1x1(POINTWISE_MAX_IN, 12), Conv1x1(POINTWISE_MAX_IN + 1, 12)
+    xn = torch.randn(2, POINTWISE_MAX_IN, 3, 5, generator=g).contiguous(memory_format=torch.channels_last)
+    xw = torch.randn(2, POINTWISE_MAX_IN + 1, 3, 5, generator=g).contiguous(memory_format=torch.channels_last)
+    skip_in, skip = torch.randn(30, 12, generator=g), torch.randn(12, generator=g)
+    pointwise = small_gemm != "gemm"
+    with options.override(small_gemm=small_gemm, eager_autograd="python"):
+        for conv, x in ((narrow, xn), (wide, xw)):
+            got, targets = _compiled_targets(conv, x)
+            assert any("linear" in t for t in targets), (small_gemm, targets)
+            torch.testing.assert_close(got, conv(x))
+        for conv, x in ((narrow, xn), (wide, xw)):
+            rows = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+            w, b = conv.weight.flatten(1), conv.bias
+            got, targets = _compiled_targets(lambda r: rows_linear(r, w, b, skip_in, skip), rows)
+            assert any("linear" in t for t in targets) == (conv is wide or not pointwise), (small_gemm, targets)
+            torch.testing.assert_close(got, F.linear(rows, w, b) + skip_in * skip)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_pointwise_linear_values_and_gradients_are_the_gemms(autocast):
+    """rows_linear with 8 inputs (the mixer's proj_up) compiled as multiply-adds: outputs and every gradient
+    equal the GEMM's, in float32 to rounding, under bf16 autocast within bf16's rounding (float32 sums,
+    one rounding, as cuBLAS)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    w, b = torch.randn(24, 8, generator=g), torch.randn(24, generator=g)
+    skip_in, skip = torch.randn(64, 24, generator=g), torch.randn(24, generator=g)
+    grad = torch.randn(64, 24, generator=g)
+    results = {}
+    for small_gemm in ("gemm", "pointwise"):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b, skip_in, skip)]
+        with options.override(small_gemm=small_gemm, eager_autograd="python"):
+            torch._dynamo.reset()
+            fn = torch.compile(rows_linear, backend="aot_eager", fullgraph=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = fn(*leaves)
+        out.backward(grad.to(out.dtype))
+        results[small_gemm] = [out.detach().float()] + [t.grad for t in leaves]
+    tol = dict(rtol=1.6e-2, atol=2e-2) if autocast else {}
+    for got, want in zip(results["pointwise"], results["gemm"]):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 @needs_cpp

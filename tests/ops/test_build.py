@@ -169,12 +169,13 @@ def test_options_parse_the_environment_once_and_strictly():
     assert options.from_env({}) == options.Options()
     got = options.from_env(
         {"GSPN2_BACKEND": " Reference ", "GSPN2_KERNEL": "FAST", "GSPN2_DWCONV": "", "GSPN2_MERGE": "Fused",
-         "GSPN2_MLP": "SEPARATE", "GSPN2_NORM_BACKWARD": " fused", "GSPN2_EAGER_AUTOGRAD": "Python"}
+         "GSPN2_MLP": "SEPARATE", "GSPN2_NORM_BACKWARD": " fused", "GSPN2_EAGER_AUTOGRAD": "Python",
+         "GSPN2_SMALL_GEMM": "GEMM"}
     )
-    assert (got.backend, got.kernel, got.dwconv, got.merge, got.mlp, got.norm_backward, got.eager_autograd) == (
-        "reference", "fast", "auto", "fused", "separate", "fused", "python")
+    assert (got.backend, got.kernel, got.dwconv, got.merge, got.mlp, got.norm_backward, got.eager_autograd,
+            got.small_gemm) == ("reference", "fast", "auto", "fused", "separate", "fused", "python", "gemm")
     for var in ("GSPN2_BACKEND", "GSPN2_KERNEL", "GSPN2_DWCONV", "GSPN2_MERGE", "GSPN2_MLP", "GSPN2_NORM_BACKWARD",
-                "GSPN2_EAGER_AUTOGRAD"):
+                "GSPN2_EAGER_AUTOGRAD", "GSPN2_SMALL_GEMM"):
         with pytest.raises(ValueError, match=var):
             options.from_env({var: "nonsense"})
     with pytest.raises(ValueError, match="`kernel`"):
@@ -187,6 +188,8 @@ def test_options_parse_the_environment_once_and_strictly():
         options.set_options(mlp="both")
     with pytest.raises(ValueError, match="`norm_backward`"):
         options.set_options(norm_backward="yes")
+    with pytest.raises(ValueError, match="`small_gemm`"):
+        options.set_options(small_gemm="matmul")
     with pytest.raises(TypeError, match="unknown gspn2 option"):
         options.set_options(kernal="fast")
     with options.override(kernel="general") as o:
