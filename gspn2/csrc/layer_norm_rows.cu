@@ -257,16 +257,16 @@ __global__ void __launch_bounds__(kLayerNormThreads, layer_norm_backward_blocks_
   // Then the block's warps, in warp order, into 2 * C floats of shared memory; the block writes its row.
   extern __shared__ float red[];
   const int wib = threadIdx.x >> 5;
-  for (int w = 0; w < kLayerNormThreads / 32; ++w) {
-    if (wib == w && lane < lanes) {
+  for (int turn = 0; turn < kLayerNormThreads / 32; ++turn) {
+    if (wib == turn && lane < lanes) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         const int col = (j * lanes + sub) * VEC;
         if (col >= C) continue;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          red[col + k] = w == 0 ? acc_w[j][k] : red[col + k] + acc_w[j][k];
-          red[C + col + k] = w == 0 ? acc_b[j][k] : red[C + col + k] + acc_b[j][k];
+          red[col + k] = turn == 0 ? acc_w[j][k] : red[col + k] + acc_w[j][k];
+          red[C + col + k] = turn == 0 ? acc_b[j][k] : red[C + col + k] + acc_b[j][k];
         }
       }
     }

@@ -40,8 +40,8 @@ from gspn2.ops.norm_backward import norm_gate_backward
 from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
 __all__ = [
-    "POINTWISE_MAX_IN", "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows", "gelu_linear",
-    "norm_linear", "rows_linear", "to_rows",
+    "POINTWISE_MAX_IN", "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows",
+    "gelu_linear", "norm_linear", "rows_linear", "to_rows",
 ]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
@@ -110,9 +110,11 @@ def _pointwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` of the training GEMMs; while ``torch.compile`` traces it, a GEMM of at most
-    :data:`POINTWISE_MAX_IN` input features is written as multiply-adds unless the option ``small_gemm`` is
-    ``gemm`` (:mod:`gspn2.ops.options`). Shapes: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` or None.
+    """``F.linear(x, weight, bias)`` of the training GEMMs; while ``torch.compile`` traces it, a GEMM of at
+    most :data:`POINTWISE_MAX_IN` input features is written as multiply-adds unless the option ``small_gemm``
+    is ``gemm`` (:mod:`gspn2.ops.options`).
+
+    Shapes: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` or None.
     """
     if (
         torch.compiler.is_compiling()

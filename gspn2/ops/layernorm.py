@@ -7,8 +7,8 @@ makes the stem's two norms cost more than its convolutions (docs/benchmarks.md, 
 channels"). gspn2's kernel (``gspn2/csrc/layer_norm_rows.cu``) spreads a row over 1 to 32 lanes of a warp:
 several rows per warp, 16- or 4-byte accesses, fp32 statistics and warp shuffles. Its backward sums the
 weight and bias gradients per thread block, in registers and then in shared memory, and the host adds the
-blocks' partial rows in a fixed order, so it is deterministic. With ``gelu`` the same pass applies GELU (erf form) to the normalised rows, and the backward
-recomputes the pre-activation from the saved statistics.
+blocks' partial rows in a fixed order, so it is deterministic. With ``gelu`` the same pass applies GELU (erf
+form) to the normalised rows, and the backward recomputes the pre-activation from the saved statistics.
 
 Ops (schemas here; the CUDA implementations and their autograd are registered in C++,
 ``gspn2/csrc/layer_norm.cpp``; every other device runs the ATen formula below):

@@ -55,7 +55,8 @@ def describe(info: dict[str, object]) -> str:
     return (
         f"gspn2 op: {info['op']} (GSPN2_BACKEND={info['op_backend']}{family}), "
         f"depthwise conv: GSPN2_DWCONV={info['dwconv_backend']}, GSPN2_MERGE={info['merge']}, "
-        f"GSPN2_MLP={info['mlp']}, GSPN2_NORM_BACKWARD={info['norm_backward']}, GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
+        f"GSPN2_MLP={info['mlp']}, GSPN2_NORM_BACKWARD={info['norm_backward']}, "
+        f"GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
         f"GSPN2_LAYER_NORM={info['layer_norm']}, GSPN2_SMALL_GEMM={info['small_gemm']}, "
         f"extension built: {info['extension_built']}"
     )
