@@ -95,18 +95,16 @@ POINTWISE_MAX_IN = 16
 
 
 def _pointwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` as ``x.shape[-1]`` broadcast multiply-adds: inputs rounded to the GEMM's
-    dtype (the autocast dtype when autocast is on, else ``x``'s), products and sums in float32, the result
-    rounded once, as cuBLAS does."""
-    dt = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
-    xs = x.to(dt).float()
-    w = weight.to(dt).float()
+    """``F.linear(x, weight, bias)`` as ``x.shape[-1]`` broadcast multiply-adds, for inputs already in the
+    GEMM's dtype (as :class:`_RowsLinear` has them): products and sums in float32, the result rounded once to
+    that dtype, as cuBLAS does."""
+    xs, w = x.float(), weight.float()
     acc = xs[..., 0:1] * w[:, 0]
     for k in range(1, x.shape[-1]):
         acc = acc + xs[..., k : k + 1] * w[:, k]
     if bias is not None:
-        acc = acc + bias.to(dt).float()
-    return acc.to(dt)
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
