@@ -40,6 +40,21 @@ SHAPED_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::cudnn_convolution",
               "gspn2::")
 
 
+def print_stacks(prof, op: str, steps: int, depth: int = 4) -> None:
+    """The calls of operator ``op`` grouped by input shape (and call site where the profiler records Python
+    frames: none for calls from Inductor's generated code in torch 2.11): CUDA ms per step, calls per step,
+    the shapes and the innermost ``depth`` frames, largest first."""
+    groups = prof.key_averages(group_by_input_shape=True, group_by_stack_n=depth)
+    hits = [e for e in groups if e.key == op and e.device_type != DeviceType.CUDA]
+    hits.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    print(f"\n{op}: {len(hits)} groups")
+    for e in hits:
+        print(f"{e.self_device_time_total / steps / 1e3:8.3f} ms/step {e.count / steps:6.1f} calls/step  "
+              f"{e.input_shapes}")
+        for frame in (e.stack or [])[:depth]:
+            print(f"        {frame}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gspn2_tiny")
@@ -50,6 +65,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=40, help="operators to list")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--stacks", default=None, metavar="OP",
+                   help="also list the calls of operator OP (e.g. aten::sum) by input shape with their CUDA time, and "
+                        "the innermost Python frames where the profiler records them")
     p.add_argument("--by-shape", action="store_true",
                    help="also list the GEMMs and convolutions (aten::mm, addmm, ...) by their input shapes (the "
                         "per-operator rows stay right, but on an H200 with torch 2.11 the total line came out about "
@@ -91,7 +109,8 @@ def main() -> None:
     ms = start.elapsed_time(end) / args.steps
     print(f"{args.model} {args.task} {args.img_size}^2 batch {args.batch_size}: {ms:.2f} ms/step, "
           f"{args.batch_size / ms * 1e3:.0f} img/s (unprofiled)")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.by_shape) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.by_shape or bool(args.stacks),
+                 with_stack=bool(args.stacks)) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
@@ -109,6 +128,8 @@ def main() -> None:
         for e in gemms[: args.rows]:
             print(f"{e.self_device_time_total / args.steps / 1e3:18.3f} {e.count / args.steps:10.1f}  {e.key}  "
                   f"{e.input_shapes}")
+    if args.stacks:
+        print_stacks(prof, args.stacks, args.steps)
     if args.trace:
         prof.export_chrome_trace(args.trace)
 
