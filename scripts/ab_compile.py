@@ -31,6 +31,8 @@ import sys
 import time
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: ``--mode`` choices: torch.compile's modes, or ``eager`` (no compilation).
+MODES = COMPILE_MODES + ("eager",)
 
 
 def parse_variant(text: str) -> tuple[str, str | None, dict]:
@@ -84,43 +86,47 @@ def child(args: argparse.Namespace) -> None:
         if not hasattr(target, attr):
             raise SystemExit(f"--variants: torch._inductor.config has no setting {key!r}")
         setattr(target, attr, value)
-    torch.backends.cudnn.benchmark = True
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    dev = args.device
+    cuda = dev == "cuda"
+    if cuda:
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     train = args.task == "train"
     batch = args.batch or (128 if train else 256)
-    model = timm.create_model(args.model, num_classes=1000).cuda().train(train)
+    model = timm.create_model(args.model, num_classes=1000).to(dev).train(train)
     model = model.to(memory_format=torch.channels_last)
-    fwd = torch.compile(model, mode=args.mode)
-    x = torch.randn(batch, 3, args.resolution, args.resolution, device="cuda")
+    fwd = model if args.mode == "eager" else torch.compile(model, mode=args.mode)
+    x = torch.randn(batch, 3, args.resolution, args.resolution, device=dev)
     x = x.to(memory_format=torch.channels_last)
     if train:
-        y = torch.randint(0, 1000, (batch,), device="cuda")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+        y = torch.randint(0, 1000, (batch,), device=dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=cuda)
         loss_fn = torch.nn.CrossEntropyLoss()
 
         def step() -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(dev, dtype=torch.bfloat16):
                 loss = loss_fn(fwd(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
         def step() -> None:
-            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.inference_mode(), torch.autocast(dev, dtype=torch.bfloat16):
                 fwd(x)
 
     t0 = time.perf_counter()
     for _ in range(3):  # compilation, CUDA-graph recording, the optimizer's state
         step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     print(json.dumps({"ready": True, "compile_s": round(time.perf_counter() - t0, 1)}), flush=True)
     for line in sys.stdin:
         if line.strip() != "time":
             break
-        ms = median_ms(step, args.warmup, args.iters)
-        print(json.dumps({"ms": ms, "img_per_s": batch / ms * 1e3,
-                          "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9}), flush=True)
+        ms = median_ms(step, args.warmup, args.iters, cuda=cuda)
+        peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
+        print(json.dumps({"ms": ms, "img_per_s": batch / ms * 1e3, "peak_mem_gb": peak}), flush=True)
 
 
 def _read_json(proc: subprocess.Popen, name: str) -> dict:
@@ -138,7 +144,9 @@ def main() -> int:
     parser.add_argument("--model", default="gspn2_tiny")
     parser.add_argument("--variants", nargs="+", required=True, help="NAME:VAR=value,VAR=value ... (one per process)")
     parser.add_argument("--task", choices=["train", "infer"], default="train")
-    parser.add_argument("--mode", choices=COMPILE_MODES, default="reduce-overhead", help="torch.compile mode")
+    parser.add_argument("--mode", choices=MODES, default="reduce-overhead", help="torch.compile mode, or eager")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a check of the script itself (no timing worth reporting)")
     parser.add_argument("--resolution", type=int, default=224)
     parser.add_argument("--batch", type=int, default=None, help="default 128 (train) / 256 (infer)")
     parser.add_argument("--rounds", type=int, default=2)
@@ -153,18 +161,26 @@ def main() -> int:
         return 0
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    for flag in ("resolution", "iters"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0 or (args.batch is not None and args.batch < 1):
+        raise SystemExit(f"--warmup must be >= 0 and --batch >= 1, got {args.warmup} and {args.batch}")
     variants = [parse_variant(v) for v in args.variants]
     names = [n for n, _, _ in variants]
     if len(set(names)) != len(names):
         raise SystemExit(f"--variants: names must differ, got {names}")
     import timm
+    import torch
 
     import gspn2  # noqa: F401
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("ab_compile.py needs a CUDA GPU (--device cpu checks the script itself)")
     for model in [args.model] + [m for _, m, _ in variants if m]:
         if not timm.is_model(model):
             raise SystemExit(f"--model / --variants: unknown timm model {model!r}")
-    common = ["--task", args.task, "--mode", args.mode, "--resolution", str(args.resolution),
+    common = ["--task", args.task, "--mode", args.mode, "--device", args.device, "--resolution", str(args.resolution),
               "--warmup", str(args.warmup), "--iters", str(args.iters), "--variants", "x:"]
     if args.batch:
         common += ["--batch", str(args.batch)]
@@ -198,7 +214,7 @@ def main() -> int:
                 proc.stdin.close()
             proc.wait()
     base = statistics.median(results[live[0]]["ms"]) if live else float("nan")
-    lines = [f"{args.task} {args.resolution}^2, torch.compile mode={args.mode}, {args.rounds} rounds",
+    lines = [f"{args.task} {args.resolution}^2, {args.device}, mode={args.mode}, {args.rounds} rounds",
              "", "| variant | model | settings | ms per step (median) | each round | vs first | peak GB | compile s |",
              "|---|---|---|---|---|---|---|---|"]
     for name in names:
@@ -209,8 +225,9 @@ def main() -> int:
             continue
         med = statistics.median(res["ms"])
         rounds = " / ".join(f"{m:.2f}" for m in res["ms"])
+        peak = "-" if res["peak_mem_gb"] != res["peak_mem_gb"] else f"{res['peak_mem_gb']:.2f}"  # NaN: CPU
         lines.append(f"| {name} | {res['model']} | {settings} | {med:.2f} | {rounds} | {base / med:.3f}x | "
-                     f"{res['peak_mem_gb']:.2f} | {res['compile_s']} |")
+                     f"{peak} | {res['compile_s']} |")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:

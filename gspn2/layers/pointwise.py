@@ -92,8 +92,6 @@ def _use_cpp() -> bool:
 #: kernel read it back. Inference (:class:`Conv1x1`) keeps the GEMM: there Inductor's fusion of the same
 #: chain measured slower (docs/benchmarks.md, "Narrow GEMMs as multiply-adds").
 POINTWISE_MAX_IN = 16
-#: What ``small_gemm="auto"`` means: the direction(s) whose multiply-adds measured fastest.
-SMALL_GEMM_AUTO = "forward"
 
 
 def _pointwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -109,45 +107,18 @@ def _pointwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return acc.to(x.dtype)
 
 
-def _pointwise_linear_grads(
-    g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool
-) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The input and weight gradients of ``F.linear(x, weight)`` for ``x.shape[-1]`` input features, as that
-    many float32 row sums (``g @ weight``, one column each) and column sums (``g.t() @ x``, one column of the
-    weight each), rounded once to the GEMM's dtype: reductions over ``g`` that Inductor fuses with the kernel
-    that produces ``g``. Shapes: ``g (N, out)``, ``x (N, in)``, ``weight (out, in)``."""
-    gf, wf = g.float(), weight.float()
-    n_in = x.shape[-1]
-    grad_x = torch.stack([(gf * wf[:, k]).sum(-1) for k in range(n_in)], -1).to(g.dtype) if need_x else None
-    if need_w:
-        xf = x.float()
-        grad_w = torch.stack([(gf * xf[:, k : k + 1]).sum(0) for k in range(n_in)], -1).to(weight.dtype)
-    else:
-        grad_w = None
-    return grad_x, grad_w
-
-
-def _pointwise_gemm(x: torch.Tensor, direction: str) -> bool:
-    """Whether a training GEMM on rows ``x`` is written as multiply-adds in ``direction`` (``"forward"`` or
-    ``"backward"``): while ``torch.compile`` traces it, for at most :data:`POINTWISE_MAX_IN` input features, as
-    the option ``small_gemm`` asks (``pointwise``: both directions; ``forward`` / ``backward``: that one;
-    ``auto``: :data:`SMALL_GEMM_AUTO`; ``gemm``: neither)."""
-    if not torch.compiler.is_compiling() or x.shape[-1] > POINTWISE_MAX_IN:
-        return False
-    choice = _options.current().small_gemm
-    if choice == "auto":
-        choice = SMALL_GEMM_AUTO
-    return choice == "pointwise" or choice == direction
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` of the training GEMMs; while ``torch.compile`` traces it, a GEMM of at
-    most :data:`POINTWISE_MAX_IN` input features is written as multiply-adds where the option ``small_gemm``
-    asks for them in the forward (:func:`_pointwise_gemm`, :mod:`gspn2.ops.options`).
+    most :data:`POINTWISE_MAX_IN` input features is written as multiply-adds unless the option ``small_gemm``
+    is ``gemm`` (:mod:`gspn2.ops.options`).
 
     Shapes: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` or None.
     """
-    if _pointwise_gemm(x, "forward"):
+    if (
+        torch.compiler.is_compiling()
+        and x.shape[-1] <= POINTWISE_MAX_IN
+        and _options.current().small_gemm != "gemm"
+    ):
         return _pointwise_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -290,13 +261,10 @@ class _RowsLinear(torch.autograd.Function):
         # GEMM's dtype (as autograd casts the gradient of a GEMM's output).
         g = grad_out.to(x.dtype)
         with autocast_off(x.device.type):
-            if _pointwise_gemm(x, "backward"):
-                grad_x, grad_w = _pointwise_linear_grads(g, x, weight, need[0], need[1])
-            else:
-                if need[0]:
-                    grad_x = g @ weight
-                if need[1]:
-                    grad_w = g.t() @ x
+            if need[0]:
+                grad_x = g @ weight
+            if need[1]:
+                grad_w = g.t() @ x
             if ctx.has_bias and need[2]:
                 grad_b = g.sum(0)
             if skip_input is not None:

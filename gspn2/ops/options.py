@@ -39,13 +39,12 @@ environment         option                               values
                     ``fc2(gelu(h))``                     before the fc2 GEMM (Inductor fuses it with its
                                                          neighbours); ``fused``: one
                                                          ``gspn2.ops.gelu_linear`` (GELU inside the GEMMs)
-``GSPN2_SMALL_``    ``small_gemm``: under                ``auto`` / ``forward``: the forward of GEMMs of
-``GEMM``            ``torch.compile``, the training      at most ``POINTWISE_MAX_IN`` inputs
+``GSPN2_SMALL_``    ``small_gemm``: under                ``auto`` / ``pointwise``: GEMMs of at most
+``GEMM``            ``torch.compile``, the training      ``POINTWISE_MAX_IN`` inputs
                     formulation's GEMMs with few         (``gspn2.layers.pointwise``) as that many
                     input features (the mixer's          broadcast multiply-adds, which Inductor fuses
-                    ``proj_up``: ``4 * proxy_dim``)      with the skip, norm and gate after them;
-                                                         ``backward`` / ``pointwise``: their backward /
-                                                         both directions so; ``gemm``: always GEMMs
+                    ``proj_up``: ``4 * proxy_dim``)      with the skip, norm and gate after them
+                                                         (measured faster); ``gemm``: always a GEMM
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
@@ -122,7 +121,7 @@ _CHOICES = {
     "norm_backward": FORMULATIONS,
     "eager_autograd": ("auto", "python"),
     "layer_norm": ("auto", "cuda", "aten"),
-    "small_gemm": ("auto", "gemm", "pointwise", "forward", "backward"),
+    "small_gemm": ("auto", "gemm", "pointwise"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gspn2.layers import ChunkedConv1x1, Conv1x1, cpp_ops_available, gelu_linear, norm_linear, rows_linear
-from gspn2.layers.pointwise import POINTWISE_MAX_IN, SMALL_GEMM_AUTO
+from gspn2.layers.pointwise import POINTWISE_MAX_IN
 from gspn2.ops import options
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -248,30 +248,27 @@ def _compiled_targets(fn, *args):
     return out, targets
 
 
-@pytest.mark.parametrize("small_gemm", ["auto", "gemm", "pointwise", "forward", "backward"])
+@pytest.mark.parametrize("small_gemm", ["auto", "gemm", "pointwise"])
 def test_narrow_gemms_under_compile_follow_the_option(small_gemm):
     """Under torch.compile, rows_linear (the training GEMMs) with at most POINTWISE_MAX_IN inputs is
-    multiply-adds in the directions the option names (no ``linear`` in the forward, no ``matmul`` in the
-    backward); a wider one stays GEMMs, and so does Conv1x1 (inference) of any width."""
+    multiply-adds (no GEMM in the graph) unless ``small_gemm="gemm"``; a wider one stays a GEMM, and so does
+    Conv1x1 (inference) of any width."""
     g = torch.Generator().manual_seed(0)
     narrow, wide = Conv1x1(POINTWISE_MAX_IN, 12), Conv1x1(POINTWISE_MAX_IN + 1, 12)
     xn = torch.randn(2, POINTWISE_MAX_IN, 3, 5, generator=g).contiguous(memory_format=torch.channels_last)
     xw = torch.randn(2, POINTWISE_MAX_IN + 1, 3, 5, generator=g).contiguous(memory_format=torch.channels_last)
     skip_in, skip = torch.randn(30, 12, generator=g), torch.randn(12, generator=g)
-    chosen = SMALL_GEMM_AUTO if small_gemm == "auto" else small_gemm
-    forward, backward = chosen in ("pointwise", "forward"), chosen in ("pointwise", "backward")
+    pointwise = small_gemm != "gemm"
     with options.override(small_gemm=small_gemm, eager_autograd="python"):
         for conv, x in ((narrow, xn), (wide, xw)):
             got, targets = _compiled_targets(conv, x)
             assert any("linear" in t for t in targets), (small_gemm, targets)
             torch.testing.assert_close(got, conv(x))
         for conv, x in ((narrow, xn), (wide, xw)):
-            rows = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).requires_grad_()
-            w = conv.weight.flatten(1).detach().requires_grad_()
-            b = conv.bias
-            got, targets = _compiled_targets(lambda r, w: rows_linear(r, w, b, skip_in, skip), rows, w)
-            assert any("linear" in t for t in targets) == (conv is wide or not forward), (small_gemm, targets)
-            assert any("matmul" in t for t in targets) == (conv is wide or not backward), (small_gemm, targets)
+            rows = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+            w, b = conv.weight.flatten(1), conv.bias
+            got, targets = _compiled_targets(lambda r: rows_linear(r, w, b, skip_in, skip), rows)
+            assert any("linear" in t for t in targets) == (conv is wide or not pointwise), (small_gemm, targets)
             torch.testing.assert_close(got, F.linear(rows, w, b) + skip_in * skip)
 
 
@@ -286,7 +283,7 @@ def test_pointwise_linear_values_and_gradients_are_the_gemms(autocast):
     skip_in, skip = torch.randn(64, 24, generator=g), torch.randn(24, generator=g)
     grad = torch.randn(64, 24, generator=g)
     results = {}
-    for small_gemm in ("gemm", "pointwise", "forward", "backward"):
+    for small_gemm in ("gemm", "pointwise"):
         leaves = [t.clone().requires_grad_() for t in (x, w, b, skip_in, skip)]
         with options.override(small_gemm=small_gemm, eager_autograd="python"):
             torch._dynamo.reset()
@@ -296,9 +293,8 @@ def test_pointwise_linear_values_and_gradients_are_the_gemms(autocast):
         out.backward(grad.to(out.dtype))
         results[small_gemm] = [out.detach().float()] + [t.grad for t in leaves]
     tol = dict(rtol=1.6e-2, atol=2e-2) if autocast else {}
-    for small_gemm in ("pointwise", "forward", "backward"):
-        for got, want in zip(results[small_gemm], results["gemm"]):
-            torch.testing.assert_close(got.float(), want.float(), **tol)
+    for got, want in zip(results["pointwise"], results["gemm"]):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 @needs_cpp
