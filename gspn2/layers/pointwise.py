@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.fx
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
@@ -190,6 +191,22 @@ class ChunkedConv1x1(Conv1x1):
         return outs
 
 
+def _recomputes(what: str) -> bool:
+    """Whether ``torch.compile``, tracing now, recomputes ``what`` (``"gelu"`` or ``"norm"``) in backward
+    instead of keeping it, as the option ``recompute`` asks (:mod:`gspn2.ops.options`)."""
+    if not torch.compiler.is_compiling():
+        return False
+    choice = _options.current().recompute
+    return choice == "all" or (choice == "gelu" and what == "gelu")
+
+
+def _recomputed(fn, *args):
+    """``fn(*args)`` marked for recomputation in backward (a non-reentrant checkpoint): AOTAutograd's
+    partitioner then keeps ``fn``'s inputs where it would keep its output, and Inductor recomputes the
+    output in the backward kernel that reads those inputs anyway."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
 class _GeluLinear(torch.autograd.Function):
     """``F.linear(F.gelu(h), weight, bias)`` saving ``h`` only; ``gelu(h)`` is recomputed in backward."""
 
@@ -226,7 +243,8 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     The option ``mlp`` (:mod:`gspn2.ops.options`, read when the call is traced) picks the formulation:
     ``fused``, the op :func:`gspn2.ops.gelu_linear` (GELU inside its GEMMs); ``auto`` / ``separate``, an
     autograd function of plain ops (GELU its own kernel), which eagerly is the C++ op
-    ``gspn2::rows_gelu_linear`` (module docstring).
+    ``gspn2::rows_gelu_linear`` (module docstring). Under ``torch.compile`` the option ``recompute`` (``gelu``
+    or ``all``) has ``gelu(h)`` recomputed in backward whatever AOTAutograd's partitioner would keep.
 
     Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
     """
@@ -234,6 +252,9 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return _gelu_linear_op(h, weight.to(h.dtype), _cast(bias, h.dtype))
     if _use_cpp():
         return _rows_call("rows_gelu_linear", h, weight, bias)
+    if _recomputes("gelu"):
+        with autocast_off(h.device.type):
+            return F.linear(_recomputed(F.gelu, h), weight.to(h.dtype), _cast(bias, h.dtype))
     return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
 
 
@@ -423,7 +444,9 @@ def norm_linear(
     :func:`~gspn2.layers.layer_norm_last_dim`), the gate and the GEMMs in the autocast dtype when
     autocast is on (as ``F.linear`` would), else in ``x.dtype``; each chunk is its own GEMM, so every
     output is contiguous (as :class:`Conv1x1` with ``out_chunks``). Eagerly the C++ op
-    ``gspn2::rows_norm_linear`` computes it (module docstring).
+    ``gspn2::rows_norm_linear`` computes it (module docstring). Under ``torch.compile`` with the option
+    ``recompute="all"`` it is plain ops whose GEMM inputs (the normalised, gated ``x``) are recomputed in
+    backward whatever AOTAutograd's partitioner would keep.
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
     None, ``gate (N, C)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.
@@ -437,6 +460,8 @@ def norm_linear(
             "rows_norm_linear",
             x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt, _use_layer_norm_kernel(x)
         )
+    if _recomputes("norm"):
+        return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt)
     outs = _NormLinear.apply(
         x,
         _cast(gate, dt),
@@ -448,6 +473,32 @@ def norm_linear(
         chunks,
     )
     return list(outs)
+
+
+def _norm_gate(
+    x, gate, norm_weight, norm_bias, eps: float, dt: torch.dtype, chunks: int
+) -> Tuple[torch.Tensor, ...]:
+    """The GEMM input of :class:`_NormLinear`, computed as its forward computes it: ``layer_norm(x)`` in
+    ``x.dtype``, cast to ``dt``, times ``silu(gate)`` when there is a gate; once per chunk (a cast each, so
+    that autograd sums the chunks' gradients in ``x.dtype``, as that function's backward does)."""
+    with autocast_off(x.device.type):
+        n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
+        if gate is not None:
+            return tuple(n.to(dt) * F.silu(gate) for _ in range(chunks))
+        return tuple(n.to(dt) for _ in range(chunks))
+
+
+def _norm_linear_recomputed(
+    x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt
+) -> List[torch.Tensor]:
+    """:func:`norm_linear` as plain ops for ``torch.compile`` with the GEMM inputs (the normalised, gated
+    ``x``) marked for recomputation in backward (:func:`_recomputed`)."""
+    nw, nb = _cast(norm_weight, x.dtype), _cast(norm_bias, x.dtype)
+    ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks)
+    w, b = weight.to(dt), _cast(bias, dt)
+    biases = b.chunk(chunks) if b is not None else (None,) * chunks
+    with autocast_off(x.device.type):
+        return [F.linear(m, wc, bc) for m, wc, bc in zip(ms, w.chunk(chunks), biases)]
 
 
 for _fn in (gelu_linear, norm_linear, rows_linear):

@@ -45,6 +45,11 @@ environment         option                               values
                     input features (the mixer's          broadcast multiply-adds, which Inductor fuses
                     ``proj_up``: ``4 * proxy_dim``)      with the skip, norm and gate after them
                                                          (measured faster); ``gemm``: always a GEMM
+``GSPN2_``          ``recompute``: under                 ``auto`` / ``keep``: AOTAutograd's partitioner
+``RECOMPUTE``       ``torch.compile``, which inputs of   decides (it keeps them); ``gelu``: the MLP's
+                    the training formulation's GEMMs     ``gelu(h)`` is recomputed from ``h`` in
+                    backward recomputes instead of       backward; ``all``: also the normalised (and
+                    keeping from the forward             gated) inputs of ``norm_linear``'s GEMMs
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
@@ -82,6 +87,7 @@ __all__ = [
     "MLP_ENV",
     "NORM_BACKWARD_ENV",
     "SMALL_GEMM_ENV",
+    "RECOMPUTE_ENV",
     "Options",
     "backend",
     "current",
@@ -101,6 +107,7 @@ NORM_BACKWARD_ENV = "GSPN2_NORM_BACKWARD"
 EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 LAYER_NORM_ENV = "GSPN2_LAYER_NORM"
 SMALL_GEMM_ENV = "GSPN2_SMALL_GEMM"
+RECOMPUTE_ENV = "GSPN2_RECOMPUTE"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster", "short")
@@ -122,6 +129,7 @@ _CHOICES = {
     "eager_autograd": ("auto", "python"),
     "layer_norm": ("auto", "cuda", "aten"),
     "small_gemm": ("auto", "gemm", "pointwise"),
+    "recompute": ("auto", "keep", "gelu", "all"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {
@@ -134,6 +142,7 @@ _ENV = {
     "eager_autograd": EAGER_AUTOGRAD_ENV,
     "layer_norm": LAYER_NORM_ENV,
     "small_gemm": SMALL_GEMM_ENV,
+    "recompute": RECOMPUTE_ENV,
 }
 
 
@@ -153,6 +162,7 @@ class Options:
     eager_autograd: str = "auto"
     layer_norm: str = "auto"
     small_gemm: str = "auto"
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

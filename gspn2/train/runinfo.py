@@ -43,6 +43,7 @@ def backend_info(device: torch.device) -> dict[str, object]:
         "eager_autograd": current().eager_autograd,
         "layer_norm": current().layer_norm,
         "small_gemm": current().small_gemm,
+        "recompute": current().recompute,
         "extension_built": extension_available(),
     }
 
@@ -58,7 +59,7 @@ def describe(info: dict[str, object]) -> str:
         f"GSPN2_MLP={info['mlp']}, GSPN2_NORM_BACKWARD={info['norm_backward']}, "
         f"GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
         f"GSPN2_LAYER_NORM={info['layer_norm']}, GSPN2_SMALL_GEMM={info['small_gemm']}, "
-        f"extension built: {info['extension_built']}"
+        f"GSPN2_RECOMPUTE={info['recompute']}, extension built: {info['extension_built']}"
     )
 
 

@@ -94,6 +94,26 @@ def test_compile_fullgraph_forward_backward(channels_last, no_tf32):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("recompute", ["gelu", "all"])
+def test_compiled_training_recomputing_gemm_inputs_matches_the_default(recompute):
+    """The option ``recompute`` (GEMM inputs recomputed in the compiled backward) trains the same function:
+    gspn2_micro's compiled bf16 step, loss and every parameter gradient against ``recompute="keep"``."""
+    x = torch.randn(8, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last)
+    results = {}
+    for choice in ("keep", recompute):
+        torch.manual_seed(0)
+        model = timm.create_model("gspn2_micro", num_classes=10).cuda().to(memory_format=torch.channels_last)
+        with options.override(recompute=choice):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(x).float().square().mean()
+        loss.backward()
+        results[choice] = [loss.detach()] + [p.grad for p in model.parameters()]
+    for got, want in zip(results[recompute], results["keep"]):
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-3)
+
+
 def test_compile_fullgraph_bf16_autocast_training():
     """The training setting of bench_models.py and train.py (bf16 autocast, channels_last) compiles into
     one graph: on torch 2.11 an untraceable autocast query once broke the graph at every LayerNorm."""
