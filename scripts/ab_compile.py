@@ -41,7 +41,9 @@ def parse_variant(text: str) -> tuple[str, str | None, dict]:
     head, sep, rest = text.partition(":")
     name, _, model = head.partition("@")
     if not sep or not name:
-        raise SystemExit(f"--variants: expected NAME[@MODEL]:VAR=value,... (settings may be empty), got {text!r}")
+        raise SystemExit(
+            f"--variants: expected NAME[@MODEL]:VAR=value,... (settings may be empty), got {text!r}"
+        )
     env = {}
     for item in filter(None, rest.split(",")):
         var, eq, value = item.partition("=")
@@ -140,11 +142,15 @@ def _read_json(proc: subprocess.Popen, name: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="gspn2_tiny")
-    parser.add_argument("--variants", nargs="+", required=True, help="NAME:VAR=value,VAR=value ... (one per process)")
+    parser.add_argument("--variants", nargs="+", default=[],
+                        help="NAME[@MODEL]:VAR=value,VAR=value ... (one process each)")
     parser.add_argument("--task", choices=["train", "infer"], default="train")
-    parser.add_argument("--mode", choices=MODES, default="reduce-overhead", help="torch.compile mode, or eager")
+    parser.add_argument("--mode", choices=MODES, default="reduce-overhead",
+                        help="torch.compile mode, or eager")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a check of the script itself (no timing worth reporting)")
     parser.add_argument("--resolution", type=int, default=224)
@@ -159,6 +165,8 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
+    if not args.variants:
+        raise SystemExit("--variants: name at least one variant (NAME[@MODEL]:VAR=value,...)")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     for flag in ("resolution", "iters"):
@@ -180,8 +188,8 @@ def main() -> int:
     for model in [args.model] + [m for _, m, _ in variants if m]:
         if not timm.is_model(model):
             raise SystemExit(f"--model / --variants: unknown timm model {model!r}")
-    common = ["--task", args.task, "--mode", args.mode, "--device", args.device, "--resolution", str(args.resolution),
-              "--warmup", str(args.warmup), "--iters", str(args.iters), "--variants", "x:"]
+    common = ["--task", args.task, "--mode", args.mode, "--device", args.device,
+              "--resolution", str(args.resolution), "--warmup", str(args.warmup), "--iters", str(args.iters)]
     if args.batch:
         common += ["--batch", str(args.batch)]
     procs = {}
@@ -200,12 +208,17 @@ def main() -> int:
             except RuntimeError as exc:  # a variant that fails is reported, the others are still timed
                 results[name]["error"] = str(exc)
                 print(exc, flush=True)
-        live = [name for name in names if "error" not in results[name]]
         for r in range(args.rounds):
+            live = [name for name in names if "error" not in results[name]]
             for name in live if r % 2 == 0 else live[::-1]:
                 procs[name].stdin.write("time\n")
                 procs[name].stdin.flush()
-                got = _read_json(procs[name], name)
+                try:
+                    got = _read_json(procs[name], name)
+                except RuntimeError as exc:
+                    results[name]["error"] = str(exc)
+                    print(exc, flush=True)
+                    continue
                 results[name]["ms"].append(got["ms"])
                 results[name]["peak_mem_gb"] = got["peak_mem_gb"]
     finally:
@@ -213,10 +226,12 @@ def main() -> int:
             if proc.stdin and not proc.stdin.closed:
                 proc.stdin.close()
             proc.wait()
+    live = [name for name in names if "error" not in results[name]]
     base = statistics.median(results[live[0]]["ms"]) if live else float("nan")
-    lines = [f"{args.task} {args.resolution}^2, {args.device}, mode={args.mode}, {args.rounds} rounds",
-             "", "| variant | model | settings | ms per step (median) | each round | vs first | peak GB | compile s |",
-             "|---|---|---|---|---|---|---|---|"]
+    title = f"{args.task} {args.resolution}^2, {args.device}, mode={args.mode}, {args.rounds} rounds"
+    header = ("| variant | model | settings | ms per step (median) | each round | vs first | peak GB "
+              "| compile s |")
+    lines = [title, "", header, "|---|---|---|---|---|---|---|---|"]
     for name in names:
         res = results[name]
         settings = ", ".join(f"{k}={v}" for k, v in res["env"].items()) or "-"

@@ -66,8 +66,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
     p.add_argument("--stacks", default=None, metavar="OP",
-                   help="also list the calls of operator OP (e.g. aten::sum) by input shape with their CUDA time, and "
-                        "the innermost Python frames where the profiler records them")
+                   help="also list the calls of operator OP (e.g. aten::sum) by input shape with their CUDA "
+                        "time, and the innermost Python frames where the profiler records them")
     p.add_argument("--by-shape", action="store_true",
                    help="also list the GEMMs and convolutions (aten::mm, addmm, ...) by their input shapes (the "
                         "per-operator rows stay right, but on an H200 with torch 2.11 the total line came out about "
@@ -109,8 +109,9 @@ def main() -> None:
     ms = start.elapsed_time(end) / args.steps
     print(f"{args.model} {args.task} {args.img_size}^2 batch {args.batch_size}: {ms:.2f} ms/step, "
           f"{args.batch_size / ms * 1e3:.0f} img/s (unprofiled)")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.by_shape or bool(args.stacks),
-                 with_stack=bool(args.stacks)) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    shapes = args.by_shape or bool(args.stacks)
+    with profile(activities=activities, record_shapes=shapes, with_stack=bool(args.stacks)) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
