@@ -49,7 +49,9 @@ environment         option                               values
 ``RECOMPUTE``       ``torch.compile``, which inputs of   decides (it keeps them); ``gelu``: the MLP's
                     the training formulation's GEMMs     ``gelu(h)`` is recomputed from ``h`` in
                     backward recomputes instead of       backward; ``all``: also the normalised (and
-                    keeping from the forward             gated) inputs of ``norm_linear``'s GEMMs
+                    keeping from the forward             gated) inputs of ``norm_linear``'s GEMMs (its
+                                                         backward then is autograd's, so
+                                                         ``norm_backward`` does not apply)
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
