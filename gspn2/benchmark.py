@@ -2,8 +2,9 @@
 graph for scripts/bench_dwconv.py), the device's copy rate (the bandwidth floors of scripts/bench_op.py and
 scripts/bench_gelu_linear.py), the arguments and the forward / forward + backward timing of the fused-op
 benchmarks (scripts/bench_merge.py, scripts/bench_gelu_linear.py), a GSPN-2 model's depthwise convolution shapes (scripts/bench_dwconv.py,
-scripts/gpu_profile.py), the ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py)
-and image-size arguments (scripts/count.py, scripts/receptive_field.py)."""
+scripts/gpu_profile.py), the ``--aot-config`` option (scripts/bench_models.py, scripts/activation_memory.py),
+image-size arguments (scripts/count.py, scripts/receptive_field.py) and the benchmarked model step
+(scripts/bench_models.py, scripts/ab_compile.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from gspn2.ops.dwconv import FAMILIES
 from gspn2.ops.options import DWCONV_TILE_COLS
 
 __all__ = [
-    "DWCONV_VARIANTS", "TINY_STAGES", "aot_config", "copy_bandwidth", "cudagraph_ms", "dwconv_shapes", "dwconv_variant_options", "fused_op_args",
-    "fwd_and_fwd_bwd_ms", "graph_ms", "median_ms", "parse_image_size", "selected_stages",
+    "DWCONV_VARIANTS", "TINY_STAGES", "aot_config", "copy_bandwidth", "cudagraph_ms", "dwconv_shapes",
+    "dwconv_variant_options", "fused_op_args", "fwd_and_fwd_bwd_ms", "graph_ms", "median_ms", "model_at",
+    "model_step", "parse_image_size", "selected_stages",
 ]
 
 
@@ -222,3 +224,49 @@ def parse_image_size(text: str) -> tuple[int, int]:
     if len(values) != 2 or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected N or HxW with positive ints, got {text!r}")
     return values  # type: ignore[return-value]
+
+
+def model_at(name: str, resolution: int) -> torch.nn.Module:
+    """timm model ``name`` with 1000 classes, built for ``resolution`` where the model fixes its grid at
+    construction (Swin's windows, DeiT's and ViT's patch grid; other models run at any size)."""
+    import timm
+
+    kwargs = {}
+    if name.startswith(("swin", "deit", "vit")) and resolution != 224:
+        kwargs["img_size"] = resolution
+    return timm.create_model(name, num_classes=1000, **kwargs)
+
+
+def model_step(
+    name: str, task: str, resolution: int, batch: int, compile_mode: str | None = None, device: str = "cuda"
+) -> tuple[Callable[[], None], torch.nn.Module]:
+    """The benchmarked step of model ``name`` and the model: ``task="infer"`` one forward under
+    ``inference_mode``; ``"train"`` forward, cross-entropy, backward, AdamW step (fused on CUDA; lr 1e-4,
+    weight decay 0.05) and ``zero_grad``; bf16 autocast, channels_last, random inputs of ``batch`` images at
+    ``resolution``^2. ``compile_mode``: ``torch.compile``'s ``mode`` for the model, or None (eager)."""
+    if task not in ("infer", "train"):
+        raise ValueError(f"`task` must be 'infer' or 'train', got {task!r}")
+    train = task == "train"
+    model = model_at(name, resolution).to(device).train(train).to(memory_format=torch.channels_last)
+    fwd = torch.compile(model, mode=compile_mode) if compile_mode is not None else model
+    if not train:
+        x = torch.randn(batch, 3, resolution, resolution, device=device).to(memory_format=torch.channels_last)
+
+        def infer() -> None:
+            with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16):
+                fwd(x)
+
+        return infer, model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device == "cuda")
+    x = torch.randn(batch, 3, resolution, resolution, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def train_step() -> None:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = loss_fn(fwd(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return train_step, model

@@ -15,9 +15,9 @@ A variant's ``@MODEL`` replaces ``--model`` for it (a peer timed in the same run
 ``inductor.KEY`` sets ``torch._inductor.config.KEY`` in that variant's process (for Inductor settings that
 have no environment variable), e.g. ``"s128:inductor.triton.mix_order_reduction_split_size=128"``.
 
-The step is ``scripts/bench_models.py``'s: bf16 autocast, channels_last, fused AdamW (training), random
-inputs, batch 128 for training and 256 for inference at 224^2; each timing is the median of ``--iters``
-CUDA-event-timed steps after ``--warmup`` more.
+The step is ``scripts/bench_models.py``'s (``gspn2.benchmark.model_step``): bf16 autocast, channels_last,
+fused AdamW (training), random inputs, batch 128 for training and 256 for inference at 224^2; each timing
+is the median of ``--iters`` CUDA-event-timed steps after ``--warmup`` more.
 """
 
 from __future__ import annotations
@@ -72,13 +72,11 @@ def split_settings(env: dict) -> tuple[dict, dict]:
 
 def child(args: argparse.Namespace) -> None:
     """One variant: compile and warm up, print ``ready``, then one timing per ``time`` line on stdin."""
-    import timm
     import torch
+    import torch._inductor.config as inductor_config
 
     import gspn2  # noqa: F401  (registers the gspn2_* models)
-    from gspn2.benchmark import median_ms
-
-    import torch._inductor.config as inductor_config
+    from gspn2.benchmark import median_ms, model_step
 
     for key, value in json.loads(args.inductor).items():  # the variant's inductor.* settings
         target = inductor_config
@@ -94,28 +92,9 @@ def child(args: argparse.Namespace) -> None:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
-    train = args.task == "train"
-    batch = args.batch or (128 if train else 256)
-    model = timm.create_model(args.model, num_classes=1000).to(dev).train(train)
-    model = model.to(memory_format=torch.channels_last)
-    fwd = model if args.mode == "eager" else torch.compile(model, mode=args.mode)
-    x = torch.randn(batch, 3, args.resolution, args.resolution, device=dev)
-    x = x.to(memory_format=torch.channels_last)
-    if train:
-        y = torch.randint(0, 1000, (batch,), device=dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=cuda)
-        loss_fn = torch.nn.CrossEntropyLoss()
-
-        def step() -> None:
-            with torch.autocast(dev, dtype=torch.bfloat16):
-                loss = loss_fn(fwd(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    else:
-        def step() -> None:
-            with torch.inference_mode(), torch.autocast(dev, dtype=torch.bfloat16):
-                fwd(x)
+    batch = args.batch or (128 if args.task == "train" else 256)
+    mode = None if args.mode == "eager" else args.mode
+    step, _ = model_step(args.model, args.task, args.resolution, batch, mode, device=dev)
 
     t0 = time.perf_counter()
     for _ in range(3):  # compilation, CUDA-graph recording, the optimizer's state

@@ -23,7 +23,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
-from gspn2.benchmark import aot_config, median_ms
+from gspn2.benchmark import aot_config, median_ms, model_at, model_step
 
 DEFAULT_MODELS = [
     "gspn2_tiny",
@@ -64,28 +64,13 @@ COMPILE_MODES = {"compile": "default", "compile-ro": "reduce-overhead", "compile
 GRAPH_MODES = ("compile-ro", "compile-ma")
 
 
-def _wrap(model: torch.nn.Module, mode: str):
-    return torch.compile(model, mode=COMPILE_MODES[mode]) if mode in COMPILE_MODES else model
-
-
 def _create(name: str, resolution: int) -> torch.nn.Module:
-    kwargs = {}
-    # Window and patch-grid models fix their grid at construction; give them the benchmark size.
-    if name.startswith(("swin", "deit", "vit")) and resolution != 224:
-        kwargs["img_size"] = resolution
-    return timm.create_model(name, num_classes=1000, **kwargs)
+    return model_at(name, resolution)
 
 
 def bench_infer(name: str, mode: str, resolution: int, batch: int, warmup: int, iters: int) -> Result:
-    model = _create(name, resolution).cuda().eval().to(memory_format=torch.channels_last)
+    step, model = model_step(name, "infer", resolution, batch, COMPILE_MODES.get(mode))
     res = Result(name, "infer", mode, resolution, batch, sum(p.numel() for p in model.parameters()) / 1e6)
-    fwd = _wrap(model, mode)
-    x = torch.randn(batch, 3, resolution, resolution, device="cuda").to(memory_format=torch.channels_last)
-
-    def step():
-        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-            fwd(x)
-
     torch.cuda.reset_peak_memory_stats()
     res.extra["first_call_s"] = _first_call_s(step)
     ms = median_ms(step, warmup, iters)
@@ -103,21 +88,8 @@ def _first_call_s(step) -> float:
 
 
 def bench_train(name: str, mode: str, resolution: int, batch: int, warmup: int, iters: int) -> Result:
-    model = _create(name, resolution).cuda().train().to(memory_format=torch.channels_last)
+    step, model = model_step(name, "train", resolution, batch, COMPILE_MODES.get(mode))
     res = Result(name, "train", mode, resolution, batch, sum(p.numel() for p in model.parameters()) / 1e6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
-    fwd = _wrap(model, mode)
-    x = torch.randn(batch, 3, resolution, resolution, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (batch,), device="cuda")
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(fwd(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     # The peak is this model's own: without the reset, a compile-ro run would report the largest peak of
     # every model measured before it in this process.
     torch.cuda.reset_peak_memory_stats()

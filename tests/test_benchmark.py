@@ -1,4 +1,5 @@
-"""gspn2.benchmark: median_ms and graph_ms (call counts and argument checks, no timing assertions), dwconv_shapes."""
+"""gspn2.benchmark: median_ms and graph_ms (call counts and argument checks, no timing assertions),
+dwconv_shapes, model_step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 import gspn2  # noqa: F401  (registers the models)
-from gspn2.benchmark import DWCONV_VARIANTS, dwconv_shapes, dwconv_variant_options, graph_ms, median_ms
+from gspn2.benchmark import (
+    DWCONV_VARIANTS, dwconv_shapes, dwconv_variant_options, graph_ms, median_ms, model_step,
+)
 from gspn2.ops import dwconv, options
 
 
@@ -75,3 +78,22 @@ def test_dwconv_variant_names_select_the_op_arguments():
                 dwconv_variant_options(bad)
     finally:
         options.set_options(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
+
+
+def test_model_step_trains_and_infers():
+    """The benchmarked step: training updates the parameters and leaves no gradients behind, inference
+    changes nothing; a task other than infer / train is refused by name."""
+    torch.manual_seed(0)
+    step, model = model_step("gspn2_micro", "train", 32, 2, device="cpu")
+    assert model.training
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert all(p.grad is None for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    step, model = model_step("gspn2_micro", "infer", 32, 2, device="cpu")
+    assert not model.training
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="`task`"):
+        model_step("gspn2_micro", "eval", 32, 2, device="cpu")

@@ -483,9 +483,8 @@ def _norm_gate(
     that autograd sums the chunks' gradients in ``x.dtype``, as that function's backward does)."""
     with autocast_off(x.device.type):
         n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
-        if gate is not None:
-            return tuple(n.to(dt) * F.silu(gate) for _ in range(chunks))
-        return tuple(n.to(dt) for _ in range(chunks))
+        s = F.silu(gate) if gate is not None else None
+        return tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
 
 
 def _norm_linear_recomputed(
