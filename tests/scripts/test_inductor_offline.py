@@ -1,0 +1,113 @@
+"""scripts/inductor_offline.py: what torch.compile builds for an H200, on this machine without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._helpers import REPO
+from tests.scripts._load import script_module
+
+SCRIPT = REPO / "scripts" / "inductor_offline.py"
+
+
+def _toolchain() -> str:
+    """Why the tool cannot run here ('' when it can): it needs a CUDA build of torch, Triton, C and C++
+    compilers and the CUDA runtime's headers (all present on this project's machines and CI)."""
+    if torch.version.cuda is None:
+        return "needs a CUDA build of torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "needs Triton"
+    if not (shutil.which("c++") or shutil.which("g++")) or not (shutil.which("cc") or shutil.which("gcc")):
+        return "needs C and C++ compilers"
+    with script_module("inductor_offline") as tool:
+        try:
+            tool._runtime_headers(torch.version.cuda)
+        except RuntimeError as e:
+            return str(e)
+    return ""
+
+
+needs_toolchain = pytest.mark.skipif(bool(_toolchain()), reason=_toolchain() or "-")
+
+
+def _run(tmp_path, *args: str, **env: str) -> dict:
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(SCRIPT), "--models", "gspn2_micro", "--resolution", "32", "--batch", "2",
+           "--json", str(out), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env), timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "gspn2_micro" in done.stdout
+    (result,) = json.loads(out.read_text())["results"]
+    return result
+
+
+def _kernel_def(var: str, gb: float) -> str:
+    """One kernel definition of a generated wrapper, as Inductor writes it (metadata abridged)."""
+    meta = f"@triton_heuristics.pointwise(inductor_meta={{'kernel_num_gb': {gb}, 'kernel_name': '{var}'}})"
+    return f"{var} = async_compile.triton('{var}', '''\n{meta}\n''', device_str='cuda')"
+
+
+def test_wrapper_calls_counts_each_launch_with_its_kernels_bytes():
+    code = "\n".join([
+        _kernel_def("triton_poi_a_0", 0.5),
+        _kernel_def("triton_per_b_1", 2e-3),
+        "class Runner:",
+        "    def call(self, args):",
+        "        triton_poi_a_0.run(buf0, stream=s)",
+        "        extern_kernels.mm(buf0, w, out=buf1)",
+        "        triton_poi_a_0.run(buf1, stream=s)",
+        "        triton_per_b_1.run(buf1, stream=s)",
+        "        torch.ops.gspn2.propagate.default(buf1, buf2, buf3, None, 'auto')",
+    ])
+    with script_module("inductor_offline") as tool:
+        calls = tool.wrapper_calls(code)
+    assert calls["kernels"] == {"triton_poi_a_0": {"launches": 2, "gb": 1.0},
+                                "triton_per_b_1": {"launches": 1, "gb": 2e-3}}
+    assert calls["other"] == {"extern_kernels.mm": 1, "torch.ops.gspn2.propagate": 1}
+
+
+def test_bad_arguments_are_refused_before_anything_is_built(capsys):
+    with script_module("inductor_offline") as tool:
+        for argv, message in (
+            (["--batch", "0"], "--batch must be positive"),
+            (["--tbps", "0"], "--tbps must be"),
+            (["--child-json", "x.json"], "--child-json is internal"),
+        ):
+            with pytest.raises(SystemExit):
+                tool.main(argv)
+            assert message in capsys.readouterr().err
+
+
+@needs_toolchain
+def test_training_compiles_both_graphs_with_the_ops_and_the_partitioners_saved_tensors(tmp_path):
+    keep = _run(tmp_path)
+    kinds = [g["kind"] for g in keep["graphs"]]
+    assert kinds.count("forward") == 1 and kinds.count("backward") == 1
+    forward, backward = (next(g for g in keep["graphs"] if g["kind"] == k) for k in ("forward", "backward"))
+    assert forward["other"]["torch.ops.gspn2.propagate"] == 5  # one mixer per block, depths (1, 1, 2, 1)
+    assert backward["other"]["torch.ops.gspn2.propagate_backward"] == 5
+    assert forward["other"]["torch.ops.gspn2.depthwise_conv2d"] == 15  # two 3x3 units and a 7x7 per block
+    assert sum(k["launches"] for k in backward["kernels"].values()) > 0
+    assert all(k["gb"] > 0 for g in keep["graphs"] for k in g["kernels"].values())
+    assert forward["saved_bytes"] > 0 and backward["saved_bytes"] == 0
+    # The partitioner keeps less when the model marks its GEMM inputs for recomputation.
+    recompute = _run(tmp_path, GSPN2_RECOMPUTE="all")
+    assert 0 < recompute["summary"]["saved_mib"] < keep["summary"]["saved_mib"]
+
+
+@needs_toolchain
+def test_inference_compiles_one_graph_that_keeps_nothing(tmp_path):
+    result = _run(tmp_path, "--task", "infer")
+    assert [g["kind"] for g in result["graphs"]] == ["forward"]
+    assert result["summary"]["saved_mib"] == 0 and result["summary"]["backward_launches"] == 0
+    assert "torch.ops.gspn2.propagate" in result["graphs"][0]["other"]
