@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -14,10 +14,66 @@ from gspn2.ops._amp import autocast_enabled
 from gspn2.ops.layernorm import kernel_call as layer_norm_kernel
 from gspn2.ops.layernorm import use_kernel as use_layer_norm_kernel
 
-__all__ = ["LayerNorm2d", "layer_norm2d_gelu", "layer_norm_last_dim"]
+__all__ = [
+    "LayerNorm2d", "layer_norm2d_gelu", "layer_norm_last_dim", "layer_norm_rows", "layer_norm_rows_backward"
+]
 
 torch.fx.wrap("layer_norm_last_dim")  # the same for a plain torch.fx.symbolic_trace
 torch.fx.wrap("layer_norm2d_gelu")
+
+
+def layer_norm_rows(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)``: LayerNorm over the last dimension of ``x`` in plain ops, for ``torch.compile``.
+
+    The statistics and the affine step are float32 (float64 for float64 ``x``) and ``weight`` and ``bias``
+    enter as they are: float32 parameters are not rounded to ``x.dtype`` first, as ATen's one-dtype kernel
+    needs (whose casts, and the casts of their gradients back, are kernels of their own in a compiled
+    step). ``y`` has ``x.dtype``;
+    ``mean`` and ``rstd`` are float32 with a trailing dimension of 1, as ``native_layer_norm`` returns them.
+    Inductor fuses these ops as it fuses its own decomposition of the norm; their backward is autograd's,
+    or :func:`layer_norm_rows_backward`.
+
+    Shapes: ``(..., C) -> (..., C), (..., 1), (..., 1)``; ``weight`` and ``bias`` are ``(C,)`` or None.
+    """
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    var, mean = torch.var_mean(xf, dim=-1, keepdim=True, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    y = (xf - mean) * rstd
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype), mean, rstd
+
+
+def layer_norm_rows_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    mask: List[bool],
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of :func:`layer_norm_rows` for rows ``x (N, C)``: ``(grad_x, grad_weight, grad_bias)``, those
+    that ``mask`` asks for (else None), in float32 (float64 for float64 ``x``) but ``grad_x`` (``x.dtype``),
+    from the forward's ``mean``
+    and ``rstd`` (``(N, 1)``), as ``native_layer_norm_backward`` computes them."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    g = grad.to(ct)
+    xhat = (x.to(ct) - mean) * rstd
+    grad_x = grad_w = grad_b = None
+    if mask[0]:
+        gw = g * weight if weight is not None else g
+        c1 = gw.mean(-1, keepdim=True)
+        c2 = (gw * xhat).mean(-1, keepdim=True)
+        grad_x = (rstd * (gw - c1 - xhat * c2)).to(x.dtype)
+    if mask[1] and weight is not None:
+        grad_w = (g * xhat).sum(0)
+    if mask[2]:
+        grad_b = g.sum(0)
+    return grad_x, grad_w, grad_b
 
 
 @register_notrace_function  # torch.fx: the autocast query must run when the graph runs
@@ -32,7 +88,8 @@ def layer_norm_last_dim(
     and ``weight``/``bias`` are cast to that dtype, as ATen's CUDA kernel wants one dtype for all three.
     Without autocast this is plain ``F.layer_norm``. Eagerly on CUDA tensors, gspn2's LayerNorm kernel
     (:func:`gspn2.ops.layer_norm`, the option ``layer_norm``) computes it instead, in ``x.dtype`` with the
-    parameters read in their own dtype.
+    parameters read in their own dtype; under ``torch.compile`` with autocast, :func:`layer_norm_rows` does
+    the same in plain ops.
 
     Shapes: ``(..., C) -> (..., C)``; ``weight`` and ``bias`` are ``(C,)`` or None.
     """
@@ -41,6 +98,9 @@ def layer_norm_last_dim(
     if x.is_cuda and use_layer_norm_kernel(x):  # eager CUDA: gspn2's kernel, float32 parameters read as they are
         return layer_norm_kernel(x, weight, bias, eps, False)
     device_type = x.device.type
+    if autocast_enabled(device_type) and torch.compiler.is_compiling():
+        with torch.autocast(device_type, enabled=False):
+            return layer_norm_rows(x, weight, bias, eps)[0]
     if autocast_enabled(device_type):
         dt = x.dtype
         weight = weight.to(dt) if weight is not None else None

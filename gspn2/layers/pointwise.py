@@ -34,6 +34,7 @@ from timm.layers import register_notrace_function
 from gspn2.ops import _cuda
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
+from gspn2.layers.norm import layer_norm_rows, layer_norm_rows_backward
 from gspn2.ops import options as _options
 from gspn2.ops.gelu_gemm import gelu_linear as _gelu_linear_op
 from gspn2.ops.layernorm import use_kernel as _use_layer_norm_kernel
@@ -388,6 +389,10 @@ class _NormLinear(torch.autograd.Function):
                             grad_n, x, mean, rstd, norm_weight, norm_bias, False, mask
                         )
                         grad_x, grad_nw, grad_nb = (g if m else None for g, m in zip((grad_x, grad_nw, grad_nb), mask))
+                    elif _float_affine(x, norm_weight, norm_bias):
+                        grad_x, grad_nw, grad_nb = layer_norm_rows_backward(
+                            grad_n, x, mean, rstd, norm_weight, [need[0], need[2], need[3]]
+                        )
                     else:
                         grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
                             grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
@@ -411,10 +416,27 @@ class _NormLinear(torch.autograd.Function):
                 grad_nb if need[3] else None, grad_w, grad_b, None, None)
 
 
+def _float_affine(x, norm_weight, norm_bias) -> bool:
+    """Whether the norm's parameters are not in ``x.dtype`` (float32 parameters under ``torch.compile``:
+    :func:`~gspn2.layers.layer_norm_rows` and its backward instead of ATen's one-dtype ops)."""
+    return any(p is not None and p.dtype != x.dtype for p in (norm_weight, norm_bias))
+
+
+def _norm_params(x, norm_weight, norm_bias):
+    """The norm's parameters as :class:`_NormLinear` takes them: as they are under ``torch.compile`` (the
+    plain-op norm applies float32 parameters unrounded, without their casts), else in ``x.dtype``."""
+    if torch.compiler.is_compiling():
+        return norm_weight, norm_bias
+    return _cast(norm_weight, x.dtype), _cast(norm_bias, x.dtype)
+
+
 def _row_norm(x, norm_weight, norm_bias, eps, kernel: bool):
-    """``(normalised rows, mean, rstd)``: gspn2's LayerNorm kernel (``kernel``, eager CUDA rows) or ATen's."""
+    """``(normalised rows, mean, rstd)``: gspn2's LayerNorm kernel (``kernel``, eager CUDA rows), the plain-op
+    norm (parameters in another dtype than ``x``) or ATen's."""
     if kernel:
         return torch.ops.gspn2.layer_norm.default(x, norm_weight, norm_bias, eps, False)
+    if _float_affine(x, norm_weight, norm_bias):
+        return layer_norm_rows(x, norm_weight, norm_bias, eps)
     return torch.ops.aten.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
 
 
@@ -462,11 +484,12 @@ def norm_linear(
         )
     if _recomputes("norm"):
         return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt)
+    nw, nb = _norm_params(x, norm_weight, norm_bias)
     outs = _NormLinear.apply(
         x,
         _cast(gate, dt),
-        _cast(norm_weight, x.dtype),
-        _cast(norm_bias, x.dtype),
+        nw,
+        nb,
         weight.to(dt),
         _cast(bias, dt),
         eps,
@@ -482,7 +505,10 @@ def _norm_gate(
     ``x.dtype``, cast to ``dt``, times ``silu(gate)`` when there is a gate; once per chunk (a cast each, so
     that autograd sums the chunks' gradients in ``x.dtype``, as that function's backward does)."""
     with autocast_off(x.device.type):
-        n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
+        if _float_affine(x, norm_weight, norm_bias):
+            n = layer_norm_rows(x, norm_weight, norm_bias, eps)[0]
+        else:
+            n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
         s = F.silu(gate) if gate is not None else None
         return tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
 
@@ -492,7 +518,7 @@ def _norm_linear_recomputed(
 ) -> List[torch.Tensor]:
     """:func:`norm_linear` as plain ops for ``torch.compile`` with the GEMM inputs (the normalised, gated
     ``x``) marked for recomputation in backward (:func:`_recomputed`)."""
-    nw, nb = _cast(norm_weight, x.dtype), _cast(norm_bias, x.dtype)
+    nw, nb = _norm_params(x, norm_weight, norm_bias)
     ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks)
     w, b = weight.to(dt), _cast(bias, dt)
     biases = b.chunk(chunks) if b is not None else (None,) * chunks

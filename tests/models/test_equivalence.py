@@ -221,7 +221,9 @@ def _compile_under_autocast():
     torch.testing.assert_close(out, ref)
     (grad,) = torch.autograd.grad(out.float().sum(), x)
     (grad_ref,) = torch.autograd.grad(ref.float().sum(), x)
-    torch.testing.assert_close(grad, grad_ref)
+    # The compiled norms of bf16 rows apply their float32 parameters unrounded (gspn2.layers.layer_norm_rows);
+    # ATen's eager norm on the CPU takes them rounded to bf16: equal to bf16 accuracy.
+    torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-2 * grad_ref.abs().max().item())
 
 
 # ---- the mixer's output chain as one op (option merge="fused") ----
