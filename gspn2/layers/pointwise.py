@@ -192,13 +192,16 @@ class ChunkedConv1x1(Conv1x1):
         return outs
 
 
+_RECOMPUTED = {"gelu": ("gelu",), "gate": ("gelu", "gate"), "all": ("gelu", "gate", "norm")}
+
+
 def _recomputes(what: str) -> bool:
-    """Whether ``torch.compile``, tracing now, recomputes ``what`` (``"gelu"`` or ``"norm"``) in backward
-    instead of keeping it, as the option ``recompute`` asks (:mod:`gspn2.ops.options`)."""
+    """Whether ``torch.compile``, tracing now, recomputes ``what`` in backward instead of keeping it, as the
+    option ``recompute`` asks (:mod:`gspn2.ops.options`): ``"gelu"`` (the MLP's), ``"gate"`` (the gated
+    norm's output, the input of the mixer's ``out_proj``) or ``"norm"`` (the other normalised GEMM inputs)."""
     if not torch.compiler.is_compiling():
         return False
-    choice = _options.current().recompute
-    return choice == "all" or (choice == "gelu" and what == "gelu")
+    return what in _RECOMPUTED.get(_options.current().recompute, ())
 
 
 def _recomputed(fn, *args):
@@ -482,7 +485,7 @@ def norm_linear(
             "rows_norm_linear",
             x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt, _use_layer_norm_kernel(x)
         )
-    if _recomputes("norm"):
+    if _recomputes("gate" if gate is not None else "norm"):
         return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt)
     nw, nb = _norm_params(x, norm_weight, norm_bias)
     outs = _NormLinear.apply(

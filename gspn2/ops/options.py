@@ -48,9 +48,11 @@ environment         option                               values
 ``GSPN2_``          ``recompute``: under                 ``auto`` / ``keep``: AOTAutograd's partitioner
 ``RECOMPUTE``       ``torch.compile``, which inputs of   decides (it keeps them); ``gelu``: the MLP's
                     the training formulation's GEMMs     ``gelu(h)`` is recomputed from ``h`` in
-                    backward recomputes instead of       backward; ``all``: also the normalised (and
-                    keeping from the forward             gated) inputs of ``norm_linear``'s GEMMs (its
-                                                         backward then is autograd's, so
+                    backward recomputes instead of       backward; ``gate``: also the mixer's gated
+                    keeping from the forward             norm output (``out_proj``'s input); ``all``:
+                                                         also the other normalised inputs of
+                                                         ``norm_linear``'s GEMMs (the recomputed
+                                                         chains' backward is autograd's, so
                                                          ``norm_backward`` does not apply)
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
@@ -131,7 +133,7 @@ _CHOICES = {
     "eager_autograd": ("auto", "python"),
     "layer_norm": ("auto", "cuda", "aten"),
     "small_gemm": ("auto", "gemm", "pointwise"),
-    "recompute": ("auto", "keep", "gelu", "all"),
+    "recompute": ("auto", "keep", "gelu", "gate", "all"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {

@@ -416,11 +416,29 @@ def test_recompute_option_keeps_fewer_gemm_inputs_with_the_same_values_and_gradi
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+def test_recompute_choices_name_what_the_compiled_backward_recomputes(monkeypatch):
+    """Each ``recompute`` choice and the GEMM inputs it marks for recomputation under torch.compile (none
+    outside it): the MLP's ``gelu(h)``, the mixer's gated norm output (``out_proj``'s input), the other
+    normalised inputs (``in_proj``, ``fc1``)."""
+    from gspn2.layers import pointwise
+
+    marked = {"keep": set(), "auto": set(), "gelu": {"gelu"}, "gate": {"gelu", "gate"},
+              "all": {"gelu", "gate", "norm"}}
+    assert set(marked) == set(options._CHOICES["recompute"])
+    for choice, want in marked.items():
+        with options.override(recompute=choice):
+            assert not any(pointwise._recomputes(w) for w in ("gelu", "gate", "norm"))  # eager
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert {w for w in ("gelu", "gate", "norm") if pointwise._recomputes(w)} == want, choice
+            monkeypatch.undo()
+
+
+@pytest.mark.parametrize("choice", ["gate", "all"])
 @pytest.mark.parametrize("chunks,gated", [(2, False), (1, True)])
-def test_recompute_all_norm_linear_chunks_and_gate(chunks, gated):
-    """``recompute="all"`` writes norm_linear as plain ops with a recomputed GEMM input: in chunks (the
-    mixer's in_proj) and with a gate (its out_proj), the compiled outputs and gradients equal those of
-    the autograd function (bf16 autocast)."""
+def test_recompute_all_norm_linear_chunks_and_gate(chunks, gated, choice):
+    """``recompute="all"`` (and ``"gate"``, for the gated chain) writes norm_linear as plain ops with a
+    recomputed GEMM input: in chunks (the mixer's in_proj) and with a gate (its out_proj), the compiled
+    outputs and gradients equal those of the autograd function (bf16 autocast)."""
     g = torch.Generator().manual_seed(4)
     N, C, out = 32, 8, 12
     tensors = [torch.randn(*s, generator=g) for s in ((N, C), (N, C), (C,), (C,), (out, C), (out,))]
@@ -430,13 +448,13 @@ def test_recompute_all_norm_linear_chunks_and_gate(chunks, gated):
             return norm_linear(x, nw, nb, 1e-6, w, b, chunks, gate=gate if gated else None)
 
     results = {}
-    for choice in ("keep", "all"):
+    for setting in ("keep", choice):
         leaves = [t.clone().requires_grad_() for t in tensors]
-        with options.override(recompute=choice, eager_autograd="python"):
+        with options.override(recompute=setting, eager_autograd="python"):
             torch._dynamo.reset()
             outs = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
         sum(o.float().square().sum() for o in outs).backward()
-        results[choice] = [o.detach().float() for o in outs] + [t.grad for t in leaves if t.grad is not None]
-    assert len(results["all"]) == len(results["keep"]) == chunks + (6 if gated else 5)
-    for got, want in zip(results["all"], results["keep"]):
+        results[setting] = [o.detach().float() for o in outs] + [t.grad for t in leaves if t.grad is not None]
+    assert len(results[choice]) == len(results["keep"]) == chunks + (6 if gated else 5)
+    for got, want in zip(results[choice], results["keep"]):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
