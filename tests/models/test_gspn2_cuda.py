@@ -94,7 +94,7 @@ def test_compile_fullgraph_forward_backward(channels_last, no_tf32):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("recompute", ["gelu", "all"])
+@pytest.mark.parametrize("recompute", ["gelu", "gate", "all"])
 def test_compiled_training_recomputing_gemm_inputs_matches_the_default(recompute):
     """The option ``recompute`` (GEMM inputs recomputed in the compiled backward) trains the same function:
     gspn2_micro's compiled bf16 step, loss and every parameter gradient against ``recompute="keep"``."""
