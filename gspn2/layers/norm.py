@@ -30,10 +30,9 @@ def layer_norm_rows(
     The statistics and the affine step are float32 (float64 for float64 ``x``) and ``weight`` and ``bias``
     enter as they are: float32 parameters are not rounded to ``x.dtype`` first, as ATen's one-dtype kernel
     needs (whose casts, and the casts of their gradients back, are kernels of their own in a compiled
-    step). ``y`` has ``x.dtype``;
-    ``mean`` and ``rstd`` are float32 with a trailing dimension of 1, as ``native_layer_norm`` returns them.
-    Inductor fuses these ops as it fuses its own decomposition of the norm; their backward is autograd's,
-    or :func:`layer_norm_rows_backward`.
+    step). ``y`` has ``x.dtype``; ``mean`` and ``rstd`` are float32 with a trailing dimension of 1, as
+    ``native_layer_norm`` returns them. Inductor fuses these ops as it fuses its own decomposition of the
+    norm; their backward is autograd's, or :func:`layer_norm_rows_backward`.
 
     Shapes: ``(..., C) -> (..., C), (..., 1), (..., 1)``; ``weight`` and ``bias`` are ``(C,)`` or None.
     """
@@ -58,8 +57,8 @@ def layer_norm_rows_backward(
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients of :func:`layer_norm_rows` for rows ``x (N, C)``: ``(grad_x, grad_weight, grad_bias)``, those
     that ``mask`` asks for (else None), in float32 (float64 for float64 ``x``) but ``grad_x`` (``x.dtype``),
-    from the forward's ``mean``
-    and ``rstd`` (``(N, 1)``), as ``native_layer_norm_backward`` computes them."""
+    from the forward's ``mean`` and ``rstd`` (``(N, 1)``), as ``native_layer_norm_backward`` computes
+    them."""
     ct = torch.promote_types(x.dtype, torch.float32)
     g = grad.to(ct)
     xhat = (x.to(ct) - mean) * rstd

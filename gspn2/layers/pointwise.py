@@ -31,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
+from gspn2.layers.norm import layer_norm_rows, layer_norm_rows_backward
 from gspn2.ops import _cuda
 from gspn2.ops._amp import autocast_enabled, autocast_off
 from gspn2.ops._amp import cast_optional as _cast
-from gspn2.layers.norm import layer_norm_rows, layer_norm_rows_backward
 from gspn2.ops import options as _options
 from gspn2.ops.gelu_gemm import gelu_linear as _gelu_linear_op
 from gspn2.ops.layernorm import use_kernel as _use_layer_norm_kernel

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from gspn2.ops import _cuda
 from tests._helpers import REPO
 from tests.scripts._load import script_module
 
@@ -19,7 +20,8 @@ SCRIPT = REPO / "scripts" / "inductor_offline.py"
 
 def _toolchain() -> str:
     """Why the tool cannot run here ('' when it can): it needs a CUDA build of torch, Triton, C and C++
-    compilers and the CUDA runtime's headers (all present on this project's machines and CI)."""
+    compilers, the CUDA runtime's headers and the built extension (all present on this project's machines
+    and CI)."""
     if torch.version.cuda is None:
         return "needs a CUDA build of torch"
     try:
@@ -28,6 +30,8 @@ def _toolchain() -> str:
         return "needs Triton"
     if not (shutil.which("c++") or shutil.which("g++")) or not (shutil.which("cc") or shutil.which("gcc")):
         return "needs C and C++ compilers"
+    if not _cuda.extension_available():  # without it the graphs hold cuDNN's convolutions, not gspn2's ops
+        return "needs gspn2's CUDA extension built"
     with script_module("inductor_offline") as tool:
         try:
             tool._runtime_headers(torch.version.cuda)
