@@ -40,7 +40,8 @@ def _toolchain() -> str:
     return ""
 
 
-needs_toolchain = pytest.mark.skipif(bool(_toolchain()), reason=_toolchain() or "-")
+_MISSING = _toolchain()
+needs_toolchain = pytest.mark.skipif(bool(_MISSING), reason=_MISSING or "-")
 
 
 def _run(tmp_path, *args: str, **env: str) -> dict:
