@@ -188,28 +188,47 @@ def dwconv_variant_options(name: str) -> dict:
     return {"dwconv_kernel": FAMILIES[int(name[1])], "dwconv_tile_cols": int(name[3])}
 
 
+def _config_items(items: list[str], config, flag: str) -> dict:
+    """``["key=value", ...]`` -> ``{key: value}`` for the torch config module ``config`` (``key`` may be
+    dotted: ``triton.unique_kernel_names``). Values are Python literals. Raises ``ValueError`` naming ``flag``
+    and the item for a malformed item, an unknown key or a value that is not a literal."""
+    import ast
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} takes KEY=VALUE, got {item!r}")
+        target = config
+        *path, attr = key.split(".")
+        for part in path:
+            target = getattr(target, part, None)
+        if target is None or not hasattr(target, attr):
+            raise ValueError(f"{flag}: {config.__name__} has no {key!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{flag} {key}: {value!r} is not a Python literal") from None
+    return out
+
+
 def aot_config(items: list[str]) -> dict:
     """``["key=value", ...]`` -> ``{key: value}`` for ``torch._functorch.config.patch`` (the settings of
     AOTAutograd's partitioner, which decides what a compiled model saves for backward and what it
     recomputes). Values are Python literals. Raises ``ValueError`` naming the item for a malformed item,
     an unknown key or a value that is not a literal.
     """
-    import ast
-
     import torch._functorch.config as config
 
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--aot-config takes KEY=VALUE, got {item!r}")
-        if not hasattr(config, key):
-            raise ValueError(f"--aot-config: torch._functorch.config has no {key!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--aot-config {key}: {value!r} is not a Python literal") from None
-    return out
+    return _config_items(items, config, "--aot-config")
+
+
+def inductor_config(items: list[str]) -> dict:
+    """``["key=value", ...]`` -> ``{key: value}`` for ``torch._inductor.config.patch`` (dotted keys for its
+    sub-configs: ``triton.mix_order_reduction_split_size=128``), checked as ``aot_config`` checks."""
+    import torch._inductor.config as config
+
+    return _config_items(items, config, "--inductor")
 
 
 def parse_image_size(text: str) -> tuple[int, int]:

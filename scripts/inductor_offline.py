@@ -331,6 +331,9 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=0, help="also list the N kernels with the most bytes")
     parser.add_argument("--code-dir", type=Path, default=None, help="write each graph's generated code here")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config settings for the compilation, Python literals "
+                             "(combo_kernels=True, triton.mix_order_reduction_split_size=128)")
     parser.add_argument("--child-json", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for flag in ("resolution", "batch", "top"):
@@ -348,12 +351,23 @@ def main(argv=None) -> None:
 
         warnings.filterwarnings("ignore")
         pretend_h200()
+        import torch._inductor.config
+
+        from gspn2.benchmark import inductor_config
+
+        torch._inductor.config.patch(inductor_config(args.inductor)).__enter__()  # one model, then exit
         import gspn2.models  # noqa: F401  (registers the GSPN-2 models with timm)
 
         result = compile_offline(args.models[0], args.task, args.resolution, batch, args.code_dir)
         args.child_json.write_text(json.dumps(result))
         return
 
+    from gspn2.benchmark import inductor_config
+
+    try:
+        inductor = inductor_config(args.inductor)
+    except ValueError as e:
+        parser.error(str(e))
     # Each model in a process of its own, started with the interposed library.
     lib = build_interposer()
     env = dict(os.environ, **{_MARK: "1"})
@@ -367,6 +381,8 @@ def main(argv=None) -> None:
                    "--resolution", str(args.resolution), "--batch", str(batch), "--child-json", str(out)]
             if args.code_dir is not None:
                 cmd += ["--code-dir", str(args.code_dir)]
+            if args.inductor:
+                cmd += ["--inductor", *args.inductor]
             done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   check=False)
             if done.returncode != 0:
@@ -393,7 +409,7 @@ def main(argv=None) -> None:
             for gb, n, name, kind in sorted(rows, reverse=True)[: args.top]:
                 print(f"  {gb:8.3f} GB  x{n:<3d} {kind:8s} {name}")
     if args.json is not None:
-        record = {"env": _environment(), "task": args.task, "batch": batch, "resolution": args.resolution,
+        record = {"env": dict(_environment(), inductor=inductor), "task": args.task, "batch": batch, "resolution": args.resolution,
                   "tbps": args.tbps, "results": results}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
 

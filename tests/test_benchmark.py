@@ -73,7 +73,7 @@ def test_dwconv_variant_names_select_the_op_arguments():
         for name in ("", "auto"):
             options.set_options(**dwconv_variant_options(name))
             assert dwconv.variant(3) == (dwconv.FAMILIES.index(dwconv.AUTO_VARIANT[3][0]), dwconv.AUTO_VARIANT[3][1])
-        for bad in ("t2v4", "t0v2", "tile", "T0V4"):
+        for bad in ("t3v4", "t0v2", "tile", "T0V4"):
             with pytest.raises(ValueError, match="depthwise variant"):
                 dwconv_variant_options(bad)
     finally:
@@ -97,3 +97,14 @@ def test_model_step_trains_and_infers():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="`task`"):
         model_step("gspn2_micro", "eval", 32, 2, device="cpu")
+
+
+def test_inductor_config_items_are_parsed_and_checked():
+    from gspn2.benchmark import inductor_config
+
+    got = inductor_config(["combo_kernels=True", "triton.mix_order_reduction_split_size=128"])
+    assert got == {"combo_kernels": True, "triton.mix_order_reduction_split_size": 128}
+    for bad, match in (("nope=1", "has no 'nope'"), ("triton.nope=1", "has no 'triton.nope'"),
+                       ("combo_kernels", "takes KEY=VALUE"), ("combo_kernels=yes", "not a Python literal")):
+        with pytest.raises(ValueError, match=match):
+            inductor_config([bad])

@@ -87,6 +87,9 @@ def test_bad_arguments_are_refused_before_anything_is_built(capsys):
             (["--batch", "0"], "--batch must be positive"),
             (["--tbps", "0"], "--tbps must be"),
             (["--child-json", "x.json"], "--child-json is internal"),
+            (["--inductor", "no_such_setting=1"], "has no 'no_such_setting'"),
+            (["--inductor", "combo_kernels"], "--inductor takes KEY=VALUE"),
+            (["--inductor", "triton.cudagraphs=maybe"], "is not a Python literal"),
         ):
             with pytest.raises(SystemExit):
                 tool.main(argv)
@@ -116,3 +119,6 @@ def test_inference_compiles_one_graph_that_keeps_nothing(tmp_path):
     assert [g["kind"] for g in result["graphs"]] == ["forward"]
     assert result["summary"]["saved_mib"] == 0 and result["summary"]["backward_launches"] == 0
     assert "torch.ops.gspn2.propagate" in result["graphs"][0]["other"]
+    # Inductor settings reach the compilation: combo kernels launch the same work in fewer kernels.
+    combo = _run(tmp_path, "--task", "infer", "--inductor", "combo_kernels=True")
+    assert combo["summary"]["forward_launches"] < result["summary"]["forward_launches"]
