@@ -70,6 +70,7 @@ def _extensions() -> tuple[list, dict]:
             os.path.join(CSRC, "propagate_short.cu"),
             os.path.join(CSRC, "dwconv.cpp"),
             os.path.join(CSRC, "dwconv_tile.cu"),
+            os.path.join(CSRC, "dwconv_mma.cu"),
             os.path.join(CSRC, "rows.cpp"),
             os.path.join(CSRC, "layer_norm.cpp"),
             os.path.join(CSRC, "layer_norm_rows.cu"),

@@ -173,8 +173,8 @@ def dwconv_shapes(model: str, resolution: int) -> list[tuple[int, int, int, bool
 
 
 #: The depthwise kernel variants by name, ``t<kernel>v<cols>``: the op's ``kernel`` argument (0 ``tile``, the
-#: input- and weight-gradient kernels; 1 ``fused``, the one-pass backward; gspn2.ops.dwconv.FAMILIES) and the
-#: output columns per thread.
+#: input- and weight-gradient kernels; 1 ``fused``, the one-pass backward; 2 ``mma``, the tensor-core forward
+#: and input gradient, 16-bit only; gspn2.ops.dwconv.FAMILIES) and the tile kernels' output columns per thread.
 DWCONV_VARIANTS = tuple(f"t{k}v{c}" for k in range(len(FAMILIES)) for c in DWCONV_TILE_COLS)
 
 

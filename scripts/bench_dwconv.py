@@ -32,8 +32,9 @@ from gspn2.ops.dwconv import variant as variant_args
 
 def run_case(C: int, side: int, K: int, add: bool, batch: int, dtype: torch.dtype, iters: int, backend: str,
              variant: str = "", timing: str = "graph") -> dict:
-    """``variant``: ``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS: ``dwconv_kernel`` "tile" (kernel 0)
-    or "fused" (kernel 1) with ``dwconv_tile_cols`` = cols); "" for the defaults (``dwconv_kernel="auto"``)."""
+    """``variant``: ``t<kernel>v<cols>`` (gspn2.benchmark.DWCONV_VARIANTS: ``dwconv_kernel`` "tile" (kernel 0),
+    "fused" (kernel 1) or "mma" (kernel 2, 16-bit only) with ``dwconv_tile_cols`` = cols); "" for the defaults
+    (``dwconv_kernel="auto"``)."""
     opts = {"dwconv_tile_cols": options.Options().dwconv_tile_cols, **dwconv_variant_options(variant)}
     options.set_options(**opts, dwconv=backend)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -757,7 +757,7 @@ def _dw_flag_cases():
         name = label.split("-")[0]
         cases.append(Case(f"dw/{label}", build, "error", (name,)))
         cases.append(Case(f"rawdw/{label}", build_raw, "result" if coerced else "error", (name,), raw=True))
-    for label, kernel, cols in (("kernel-2", 2, 4), ("kernel-4", 4, 4), ("kernel-neg1", -1, 4), ("kernel-2^40", 2**40, 4),
+    for label, kernel, cols in (("kernel-3", 3, 4), ("kernel-4", 4, 4), ("kernel-neg1", -1, 4), ("kernel-2^40", 2**40, 4),
                                 ("kernel-str", "0", 4), ("kernel-float", 0.0, 4), ("kernel-True", True, 4),
                                 ("kernel-None", None, 4), ("cols-2", 0, 2), ("cols-16", 0, 16), ("cols-2^63", 0, 2**63),
                                 ("cols-str", 0, "8")):

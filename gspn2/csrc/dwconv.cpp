@@ -39,11 +39,22 @@ at::Tensor nhwc(const at::Tensor& t) {
   return c;
 }
 
-// `kernel`: 0, the input-gradient and weight-gradient kernels, or 1, the one-pass backward; `cols`: output
-// columns per thread (dwconv.h).
+// `kernel`: 0, the input-gradient and weight-gradient kernels, 1, the one-pass backward, or 2, the tensor-core
+// kernels (forward, input gradient, weight gradient); `cols`: output columns per thread of the tile kernels
+// (dwconv.h; unused by kernel 2).
 void check_variant(int64_t kernel, int64_t cols) {
-  GSPN2_CHECK(kernel == 0 || kernel == 1, "`kernel` must be 0 or 1, got ", kernel);
+  GSPN2_CHECK(kernel >= 0 && kernel <= 2, "`kernel` must be 0, 1 or 2, got ", kernel);
   GSPN2_CHECK(cols == 4 || cols == 8, "`cols` must be 4 or 8, got ", cols);
+}
+
+// The tensor-core kernels' inputs (`kernel` 2): 16-bit, C a multiple of 8.
+void check_mma_input(const at::Tensor& x, int64_t kernel, const char* xname) {
+  if (kernel != 2) return;
+  GSPN2_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "`kernel` 2 (the depthwise tensor-core kernels) takes float16 or bfloat16 `", xname, "`, got ",
+              x.scalar_type());
+  GSPN2_CHECK(x.size(1) % 8 == 0, "`kernel` 2 (the depthwise tensor-core kernels) takes C a multiple of 8, got C = ",
+              x.size(1));
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& weight, const char* xname) {
@@ -79,9 +90,9 @@ at::Tensor bias_f32(const at::Tensor& bias) {
 
 // The forward kernel on x (channels-last, 16-byte aligned) into y of its shape: y = conv(x) with the float32
 // (C, K*K) taps `w` (`flip`: the input gradient's flipped taps), plus `bias` (float32, or null), plus x if
-// `add_input`, then SiLU if `silu`.
+// `add_input`, then SiLU if `silu`; the tensor-core kernel for `kernel` 2, else the tile kernel.
 void launch_forward(const at::Tensor& x, const at::Tensor& w, int K, const float* bias, bool add_input, bool silu,
-                    bool flip, at::Tensor& y, int64_t cols) {
+                    bool flip, at::Tensor& y, int64_t kernel, int64_t cols) {
   DwConvForwardParams p;
   p.x = x.data_ptr();
   p.weight = w.data_ptr<float>();
@@ -98,14 +109,15 @@ void launch_forward(const at::Tensor& x, const at::Tensor& w, int K, const float
   p.dtype = dw_scalar_type(x.scalar_type());
   p.cols = int(cols);
   p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = dwconv_tile_forward_launch(p);
+  const std::string err = kernel == 2 ? dwconv_mma_forward_launch(p) : dwconv_tile_forward_launch(p);
   GSPN2_CHECK(err.empty(), err);
 }
 
 at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           bool add_input, bool silu, int64_t kernel, int64_t cols) {
-  check_variant(kernel, cols);  // both kernels share the forward
+  check_variant(kernel, cols);  // kernels 0 and 1 share the forward
   check_common(x_, weight, "x");
+  check_mma_input(x_, kernel, "x");
   const int64_t C = x_.size(1);
   if (bias.has_value()) {
     GSPN2_CHECK(bias->layout() == at::kStrided, "`bias` must be a dense (strided) tensor");
@@ -121,22 +133,24 @@ at::Tensor dwconv_forward(const at::Tensor& x_, const at::Tensor& weight, const 
   if (bias.has_value()) b32 = bias_f32(*bias);
   at::Tensor y = at::empty_like(x, x.options(), at::MemoryFormat::ChannelsLast);
   launch_forward(x, w, int(weight.size(2)), bias.has_value() ? b32.data_ptr<float>() : nullptr, add_input, silu, false,
-                 y, cols);
+                 y, kernel, cols);
   // The op promises x's strides (its fake implementation is empty_like(x)).
   if (!x_.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::empty_like(x_).copy_(y);
   return y;
 }
 
-// The weight and bias gradients (float32 (C, 1, K, K) and (C,)), and with `grad_x` (allocated channels-last
-// like gy) the input gradient in the same pass (the one-pass backward).
-void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Tensor& weight, int cols,
-                       at::Tensor* grad_x, bool add_input, at::Tensor& grad_w, at::Tensor& grad_b) {
-  const at::Tensor x = nhwc(x_);
+// The weight and bias gradients (float32 (C, 1, K, K) and (C,)) of gy and x (channels-last, 16-byte aligned):
+// by the tensor-core kernels (`kernel` 2), else by the tile kernels, which with `grad_x` (allocated channels-last
+// like gy) also write the input gradient in the same pass (the one-pass backward).
+void weight_grads(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& weight, int kernel, int cols,
+                  at::Tensor* grad_x, bool add_input, at::Tensor& grad_w, at::Tensor& grad_b) {
   const int B = int(x.size(0)), C = int(x.size(1)), H = int(x.size(2)), W = int(x.size(3));
   const int K = int(weight.size(2));
   const auto f32 = x.options().dtype(at::kFloat);
-  const DwTilePlan q = dwconv_tile_plan(B, H, W, C, K, cols, int(x.element_size()), dwconv_tile_smem_limit());
-  const at::Tensor partial = at::empty({q.chunks, K * K + 1, C}, f32);
+  const int chunks = kernel == 2 ? dwconv_mma_wgrad_plan(B, H, W, C).chunks
+                                 : dwconv_tile_plan(B, H, W, C, K, cols, int(x.element_size()),
+                                                    dwconv_tile_smem_limit()).chunks;
+  const at::Tensor partial = at::empty({chunks, K * K + 1, C}, f32);
   const at::Tensor w = grad_x != nullptr ? weight_rows(weight) : at::Tensor();
   grad_w = at::empty({C, 1, K, K}, f32);
   grad_b = at::empty({C}, f32);
@@ -155,12 +169,13 @@ void tile_weight_grads(const at::Tensor& gy, const at::Tensor& x_, const at::Ten
   p.B = B, p.C = C, p.H = H, p.W = W, p.K = K;
   p.dtype = dw_scalar_type(x.scalar_type());
   p.stream = c10::cuda::getCurrentCUDAStream();
-  const std::string err = dwconv_tile_wgrad_launch(p);
+  const std::string err = kernel == 2 ? dwconv_mma_wgrad_launch(p) : dwconv_tile_wgrad_launch(p);
   GSPN2_CHECK(err.empty(), err);
 }
 
 // grad_x (x's dtype, channels_last), grad_weight (C, 1, K, K) and grad_bias (C,) in float32: the one-pass
-// backward (`kernel` 1), or the forward kernel on grad_y with the flipped taps and the weight-gradient kernel.
+// backward (`kernel` 1), or the forward kernel on grad_y with the flipped taps and the weight-gradient kernel (the
+// tile kernels, or with `kernel` 2 the tensor-core ones).
 std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at::Tensor& x_, const at::Tensor& weight,
                                             bool add_input, int kernel, int cols) {
   check_common(x_, weight, "x");
@@ -170,15 +185,17 @@ std::vector<at::Tensor> dwconv_backward_raw(const at::Tensor& grad_y_, const at:
   GSPN2_CHECK(grad_y_.scalar_type() == x_.scalar_type(), "`grad_y` must have x's dtype ", x_.scalar_type(),
                  ", got ", grad_y_.scalar_type());
   GSPN2_CHECK(grad_y_.device() == x_.device(), "`grad_y` must be on ", x_.device(), ", got ", grad_y_.device());
+  check_mma_input(grad_y_, kernel, "grad_y");
   const c10::cuda::CUDAGuard guard(x_.device());
   const at::Tensor gy = nhwc(grad_y_);
   at::Tensor grad_x = at::empty_like(gy, gy.options(), at::MemoryFormat::ChannelsLast), grad_w, grad_b;
+  const at::Tensor x = nhwc(x_);
   if (kernel == 1) {
-    tile_weight_grads(gy, x_, weight, cols, &grad_x, add_input, grad_w, grad_b);
+    weight_grads(gy, x, weight, kernel, cols, &grad_x, add_input, grad_w, grad_b);
     return {grad_x, grad_w, grad_b};
   }
-  launch_forward(gy, weight_rows(weight), int(weight.size(2)), nullptr, add_input, false, true, grad_x, cols);
-  tile_weight_grads(gy, x_, weight, cols, nullptr, false, grad_w, grad_b);
+  launch_forward(gy, weight_rows(weight), int(weight.size(2)), nullptr, add_input, false, true, grad_x, kernel, cols);
+  weight_grads(gy, x, weight, kernel, cols, nullptr, false, grad_w, grad_b);
   return {grad_x, grad_w, grad_b};
 }
 
@@ -206,9 +223,10 @@ const c10::TypedOperatorHandle<ForwardOp>& forward_op() {
   return op;
 }
 
-// The op's flags, packed into one saved integer (bits: has_bias, add_input, silu, kernel; cols above them).
+// The op's flags, packed into one saved integer (bits: has_bias, add_input, silu, kernel (two bits); cols above
+// them).
 int64_t pack_flags(bool has_bias, bool add_input, bool silu, int64_t kernel, int64_t cols) {
-  return int64_t(has_bias) | int64_t(add_input) << 1 | int64_t(silu) << 2 | (kernel & 1) << 3 | cols << 4;
+  return int64_t(has_bias) | int64_t(add_input) << 1 | int64_t(silu) << 2 | (kernel & 3) << 3 | cols << 5;
 }
 
 // Autograd for CUDA tensors (CPU keeps the Python formula of gspn2/ops/dwconv.py).
@@ -241,7 +259,7 @@ class DwConvFunction : public torch::autograd::Function<DwConvFunction> {
     const at::Tensor grad_y = grads[0].contiguous(x.is_contiguous(at::MemoryFormat::ChannelsLast)
                                                       ? at::MemoryFormat::ChannelsLast
                                                       : at::MemoryFormat::Contiguous);
-    auto [grad_x, grad_w, grad_b] = op.call(grad_y, x, saved[1], has_bias, add_input, (flags >> 3) & 1, flags >> 4);
+    auto [grad_x, grad_w, grad_b] = op.call(grad_y, x, saved[1], has_bias, add_input, (flags >> 3) & 3, flags >> 5);
     return {grad_x, grad_w, has_bias ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

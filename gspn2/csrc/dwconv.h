@@ -103,4 +103,20 @@ bool dwconv_tile_tma_enabled();
 std::string dwconv_tile_forward_launch(const DwConvForwardParams& p);
 std::string dwconv_tile_wgrad_launch(const DwConvWgradParams& p);
 
+// The tensor-core kernels (dwconv_mma.cu, the op's `kernel` 2) for float16 and bfloat16 inputs with C a multiple
+// of 8, on GPUs of compute capability 9.0 (`cols` unused). Whether the dtype and C allow them, and the forward's
+// (and input gradient's) launch ("" or the error: other dtypes, no sm_90 code, ...).
+bool dwconv_mma_available_for(int C, ScalarType dtype);
+std::string dwconv_mma_forward_launch(const DwConvForwardParams& p);
+// Their weight gradient: CTAs of 16 warps, each summing a chunk of consecutive tiles (16 rows x 8 or 16 columns,
+// 32 channels) into partial[chunk][tap][c]; the chunk count depends on the shape only (deterministic). The launch
+// sums the chunks into grad_w and grad_b (the tile kernels' reduce pass); p.partial holds plan.chunks chunks.
+constexpr int kMmaWgradCtas = 256;  // the weight gradient's target CTA count
+struct MmaWgradPlan {
+  int tiles_h = 1, tiles_w = 1, channel_blocks = 1, chunks = 1;
+  int64_t tiles = 0, tiles_per_chunk = 1;
+};
+MmaWgradPlan dwconv_mma_wgrad_plan(int B, int H, int W, int C);
+std::string dwconv_mma_wgrad_launch(const DwConvWgradParams& p);
+
 }  // namespace gspn2

@@ -15,62 +15,12 @@
 // loops over tiles per CTA with two staging buffers: the copies of the next tile run while the current one
 // is computed.
 #include <algorithm>
-#include <atomic>
 #include <climits>
-#include <map>
-#include <mutex>
-#include <tuple>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "dwconv.h"
-#include "tma.cuh"
+#include "dwconv_tile.cuh"
 
 namespace gspn2 {
 namespace {
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// The CUDA error of the last launch, or an empty string.
-std::string last_launch_error() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? std::string() : std::string("CUDA error: ") + cudaGetErrorString(err);
-}
-
-// 16-byte global-to-shared copies that skip registers (cp.async, sm_80 on; zeros where !valid), completed by
-// cp_async_commit + cp_async_wait<N> (at most N of this thread's committed groups still in flight). Before
-// sm_80: a plain copy through registers, complete at once.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-#else
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
 
 // Stages rows x cols pixels (top-left corner (h0, w0), zeros outside the image and past channel C) of
 // kTileLanes channels from c0 on, in T, at s[pixel * kTileLanes + lane]. `vec`: C is a multiple of the
@@ -106,21 +56,6 @@ __device__ __forceinline__ void stage_tile(T* __restrict__ s, const T* __restric
       const int r = p / cols, h = h0 + r, w = w0 + p - r * cols, c = c0 + q;
       s[i] = (h >= 0 && h < H && w >= 0 && w < W && c < C) ? src[(int64_t(h) * W + w) * C + c] : from_float<T>(0.f);
     }
-  }
-}
-
-// Stages the KK taps of the CTA's kTileLanes channels from the (C, KK) float32 weight at s[lane * KK + tap]
-// (coalesced reads along each channel's taps), flipped (tap KK - 1 - t) for the input gradient; zeros past
-// channel C. KK is odd, so the lanes' reads s[lane * KK + t] hit distinct banks. Complete at the next
-// __syncthreads.
-template <int KK>
-__device__ __forceinline__ void stage_taps(float* __restrict__ s, const float* __restrict__ weight, int c0, int C,
-                                           bool flip) {
-  const int warps = blockDim.x / kTileLanes;
-  for (int cc = threadIdx.x / kTileLanes; cc < kTileLanes; cc += warps) {
-    const float* src = weight + int64_t(c0 + cc) * KK;
-    for (int tap = threadIdx.x % kTileLanes; tap < KK; tap += kTileLanes)
-      s[cc * KK + (flip ? KK - 1 - tap : tap)] = c0 + cc < C ? src[tap] : 0.f;
   }
 }
 
@@ -225,84 +160,6 @@ __device__ __forceinline__ void for_each_output(T* __restrict__ base, int hb, in
       for (int j = 0; j < CW; ++j)
         if (hb + r < H && wb + j < W) f(r, j, p + r * row + j * C);
   }
-}
-
-__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
-
-// TMA staging (sm_90): thread 0 starts one tile's copies into a buffer, expecting `bytes` on the buffer's
-// mbarrier (the fence orders the CTA's earlier reads of that buffer, ended at a barrier, before the copies),
-// then one box per staged tensor: 32 channels from c0 by the box's columns and rows from (w0, h0) of image b.
-__device__ __forceinline__ void tma_begin(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  tma::fence_proxy_async();
-  tma::mbar_expect_tx(bar, bytes);
-#else
-  __trap();  // the host asks for TMA only where the kernel was compiled for sm_90 or later
-#endif
-}
-__device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int w0, int h0, int b,
-                                        uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  tma::load_4d(dst, map, c0, w0, h0, b, bar);
-#endif
-}
-// The two buffers' mbarriers (at the start of dynamic shared memory), set up by thread 0; visible to the CTA
-// after its next __syncthreads.
-__device__ __forceinline__ void tma_init(uint64_t* bars) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) {
-    tma::mbar_init(&bars[0], 1);
-    tma::mbar_init(&bars[1], 1);
-    tma::mbar_init_fence();
-  }
-#endif
-}
-__device__ __forceinline__ void tma_wait(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  tma::mbar_wait(bar, parity);
-#endif
-}
-
-// Runs a CTA's tiles first, first + step, ... (below end) with two staging buffers: stage(t, buffer) starts
-// the copies of tile t; compute(t, buffer) runs once they are complete. The copies of the next tile are in
-// flight while the current one is computed. `bars`: the buffers' mbarriers where TMA stages the tiles (the
-// caller has initialised them and passed a __syncthreads since), or null for cp.async and element copies.
-template <typename Stage, typename Compute>
-__device__ __forceinline__ void pipeline_tiles(int first, int end, int step, uint64_t* bars, Stage&& stage,
-                                               Compute&& compute) {
-  if (first >= end) return;
-  stage(first, 0);
-  if (bars == nullptr) cp_async_commit();
-  int buf = 0;
-  uint32_t parity = 0;  // bit b: the parity of the phase of bars[b] to wait for next
-  for (int t = first; t < end; t += step, buf ^= 1) {
-    if (t + step < end) {
-      stage(t + step, buf ^ 1);  // that buffer's last reads (two tiles back) ended at the barrier below
-      if (bars == nullptr) {
-        cp_async_commit();
-        cp_async_wait<1>();  // tile t's copies are done, the next tile's may still run
-      }
-    } else if (bars == nullptr) {
-      cp_async_wait<0>();
-    }
-    if (bars != nullptr) {
-      tma_wait(&bars[buf], (parity >> buf) & 1u);  // tile t's boxes have landed
-      parity ^= 1u << buf;
-    } else {
-      __syncthreads();  // every thread's copies (and element stores) of tile t are visible
-    }
-    compute(t, buf);
-    __syncthreads();  // tile t's buffer is free for the tile after next
-  }
-}
-
-// The weight-gradient kernels' split: CTA blockIdx.x takes tiles_per_chunk consecutive tiles (fewer in the
-// last chunk), a split that fixes the summation order.
-template <typename Stage, typename Compute>
-__device__ __forceinline__ void pipeline_chunk(int tiles, int tiles_per_chunk, uint64_t* bars, Stage&& stage,
-                                               Compute&& compute) {
-  const int first = int(blockIdx.x) * tiles_per_chunk;
-  pipeline_tiles(first, min(first + tiles_per_chunk, tiles), 1, bars, stage, compute);
 }
 
 // Elements of T in a staged tensor of `pixels` pixels, rounded up to the 128-byte boundary of the next.
@@ -531,75 +388,10 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
   store_chunk_partials<KK>(reinterpret_cast<float*>(smem_raw + kTileBarBytes), acc_w, accb, partial, C, c0);
 }
 
-// The chunks' partial sums in chunk order: grad_w (C, K*K) and grad_b (C,).
-__global__ void dwconv_tile_reduce_kernel(const float* __restrict__ partial, float* __restrict__ grad_w,
-                                          float* __restrict__ grad_b, int chunks, int C, int KK) {
-  const int64_t n = int64_t(KK + 1) * C;
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= n) return;
-  float sum = 0.f;
-  for (int k = 0; k < chunks; ++k) sum += partial[int64_t(k) * n + e];
-  const int tap = int(e / C), c = int(e % C);
-  if (tap < KK) {
-    grad_w[int64_t(c) * KK + tap] = sum;
-  } else {
-    grad_b[c] = sum;
-  }
-}
-
-// Opts `kernel` in to `bytes` of dynamic shared memory where that is over the default 48 KB. One flag per
-// kernel instantiation (the tag types), so each is raised once per size it grows to.
-template <typename Tag, typename Kernel>
-void allow_smem(Kernel kernel, int bytes) {
-  static std::atomic<int> allowed{48 * 1024};
-  if (bytes <= allowed.load()) return;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  allowed.store(bytes);
-}
 template <typename T, int K, int CW, int kKind>  // kKind: 0 forward, 1 weight gradient, 2 one-pass backward
 struct TileKernelTag {};
 
-// How many CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory, already allowed) the
-// current GPU holds at once; asked once per (kernel, block size, shared memory, device).
-template <typename Tag, typename Kernel>
-int resident_ctas(Kernel kernel, int threads, int smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, int>, int> known;
-  int dev = 0;
-  cudaGetDevice(&dev);
-  const auto key = std::make_tuple(dev, threads, smem);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  int per_sm = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int n = std::max(1, per_sm) * std::max(1, sms);
-  known.emplace(key, n);
-  return n;
-}
-
 bool tile_vec_ok(int C, ScalarType dtype) { return C % (16 / element_size(dtype)) == 0; }
-
-// Whether `kernel` stages its tiles by TMA on the current device: its code was compiled for sm_90 or later
-// (the PTX version the driver picked for this device, asked once per kernel and device) and the driver
-// encodes tensor maps.
-template <typename Tag, typename Kernel>
-bool kernel_has_tma(Kernel kernel) {
-  static std::mutex mutex;
-  static std::map<int, bool> known;
-  int dev = 0;
-  cudaGetDevice(&dev);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = known.find(dev);
-  if (it != known.end()) return it->second;
-  cudaFuncAttributes attr{};
-  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90 &&
-                  tma::encoder() != nullptr;
-  cudaGetLastError();  // a failed query leaves no error behind: the kernels then copy without TMA
-  known.emplace(dev, ok);
-  return ok;
-}
 
 // The staging of one launch: by TMA (`on`, with the maps of the staged tensors) where the kernel has it, the
 // channels fill whole 16-byte vectors (which also makes every stride a multiple of 16 bytes) and the tensor's
@@ -608,25 +400,6 @@ struct TileStaging {
   bool vec = false, on = false;
   CUtensorMap a{}, b{};
 };
-
-// A (C, W, H, B) map of a channels-last tensor with boxes of 32 channels x box_cols x box_rows pixels of one
-// image; zeros outside. The calling thread has a current context. "" or the error.
-std::string encode_tile_box(CUtensorMap* map, const void* ptr, ScalarType dtype, int B, int H, int W, int C,
-                            int box_cols, int box_rows) {
-  const cuuint64_t es = cuuint64_t(element_size(dtype));
-  const cuuint64_t dims[4] = {cuuint64_t(C), cuuint64_t(W), cuuint64_t(H), cuuint64_t(B)};
-  const cuuint64_t strides[3] = {C * es, cuuint64_t(W) * C * es, cuuint64_t(H) * W * C * es};
-  const cuuint32_t box[4] = {cuuint32_t(kTileLanes), cuuint32_t(box_cols), cuuint32_t(box_rows), 1};
-  const cuuint32_t estr[4] = {1, 1, 1, 1};
-  const CUresult r = tma::encoder()(map, tma::data_type(dtype), 4, const_cast<void*>(ptr), dims, strides, box, estr,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r == CUDA_SUCCESS) return "";
-  return "gspn2: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) +
-         ") for the depthwise tile kernels' box of 32 x " + std::to_string(box_cols) + " x " +
-         std::to_string(box_rows) + " on a (" + std::to_string(B) + ", " + std::to_string(H) + ", " +
-         std::to_string(W) + ", " + std::to_string(C) + ") channels-last tensor";
-}
 
 // Staging for tensors a (box a_cols x a_rows) and, where b is not null, b (b_cols x b_rows), all (B, H, W, C).
 template <typename Tag, typename Kernel>
@@ -641,12 +414,6 @@ std::string tile_staging(TileStaging* s, Kernel kernel, ScalarType dtype, int B,
   std::string err = encode_tile_box(&s->a, a, dtype, B, H, W, C, a_cols, a_rows);
   if (err.empty() && b != nullptr) err = encode_tile_box(&s->b, b, dtype, B, H, W, C, b_cols, b_rows);
   return err;
-}
-
-FastDiv fast_div(int d) {
-  FastDiv f;
-  f.init(uint32_t(d));
-  return f;
 }
 
 template <typename T, int K, int CW>

@@ -597,6 +597,21 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   return d;
 }
 
+// The depthwise tensor-core kernels' weight-gradient plan (dwconv.h), for Python: no GPU needed.
+py::dict dwconv_mma_plan(int64_t B, int64_t C, int64_t H, int64_t W) {
+  GSPN2_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1, "B, C, H, W must be >= 1, got ", B, ", ", C, ", ", H, ", ", W);
+  GSPN2_CHECK(B * H * W < (int64_t(1) << 40), "B x H x W is too large: ", B, " x ", H, " x ", W);
+  const MmaWgradPlan q = dwconv_mma_wgrad_plan(int(B), int(H), int(W), int(C));
+  py::dict d;
+  d["tiles_h"] = q.tiles_h;
+  d["tiles_w"] = q.tiles_w;
+  d["tiles"] = q.tiles;
+  d["channel_blocks"] = q.channel_blocks;
+  d["chunks"] = q.chunks;
+  d["tiles_per_chunk"] = q.tiles_per_chunk;
+  return d;
+}
+
 // The depthwise tile kernels' plan (dwconv.h), for Python: no GPU needed (smem_limit < 1: kTileSmemBudget).
 py::dict dwconv_plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::string& dtype, int64_t cols,
                      int64_t smem_limit) {
@@ -695,6 +710,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("bias"), py::arg("skip_input"), py::arg("skip_scale"), py::arg("dtype"));
   m.def("rows_gelu_linear", &gspn2::rows_gelu_linear_call, "gspn2::rows_gelu_linear for eager callers",
         py::arg("h"), py::arg("weight"), py::arg("bias"));
+  m.def("dwconv_mma_plan", &gspn2::dwconv_mma_plan, "The depthwise tensor-core kernels' weight-gradient plan (dict)",
+        py::arg("B"), py::arg("C"), py::arg("H"), py::arg("W"));
   m.def("dwconv_plan", &gspn2::dwconv_plan, "The depthwise tile kernels' plan (dict)", py::arg("B"), py::arg("C"),
         py::arg("H"), py::arg("W"), py::arg("K"), py::arg("dtype"), py::arg("cols") = 4, py::arg("smem_limit") = 0);
 }

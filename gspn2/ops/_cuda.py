@@ -22,7 +22,7 @@ import torch
 from gspn2.ops import options as _options
 
 __all__ = [
-    "BUILD_HINT", "describe", "direct_call", "direct_call_allowed", "dwconv_plan", "dwconv_tma",
+    "BUILD_HINT", "describe", "direct_call", "direct_call_allowed", "dwconv_mma_plan", "dwconv_plan", "dwconv_tma",
     "extension_available", "extension_error", "limits", "plan", "raise_build_hint", "require_extension",
 ]
 
@@ -119,6 +119,14 @@ def dwconv_plan(B, C, H, W, K, dtype="bfloat16", cols=4, smem_limit=0) -> dict:
     """
     require_extension()
     return dict(_C.dwconv_plan(B, C, H, W, K, dtype, cols, smem_limit))
+
+
+def dwconv_mma_plan(B, C, H, W) -> dict:
+    """The depthwise tensor-core kernels' weight-gradient plan (gspn2/csrc/dwconv.h): tiles of 16 rows x 8 or 16
+    columns (``tiles_h`` x ``tiles_w`` per image, ``tiles`` in all), 32-channel blocks and the ``chunks`` of
+    ``tiles_per_chunk`` consecutive tiles whose partial sums are added in order. Needs no GPU."""
+    require_extension()
+    return dict(_C.dwconv_mma_plan(B, C, H, W))
 
 
 def dwconv_tma(enabled: bool) -> bool:

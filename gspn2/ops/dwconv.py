@@ -17,13 +17,15 @@ In plain eager code :func:`depthwise_conv2d` calls the op through the extension'
 
 The kernels are *shared-memory tile* kernels (docs/kernel.md, "Depthwise convolution kernels"): a CTA stages
 an input tile with its halo once in shared memory and gives each thread 4 rows x ``cols`` (4 or 8) output
-pixels of one channel. ``kernel`` picks the backward (:data:`FAMILIES` names the choices): 0 (``tile``), an
+pixels of one channel. ``kernel`` picks the family (:data:`FAMILIES` names the choices): 0 (``tile``), an
 input-gradient kernel (the forward with flipped taps) and a weight-gradient kernel; 1 (``fused``), one pass
-that stages grad_y and x once for all three gradients.
+that stages grad_y and x once for all three gradients; 2 (``mma``), every pass on the tensor cores as products
+of Toeplitz matrices (``gspn2/csrc/dwconv_mma.cu``: float16 and bfloat16 inputs with C a multiple of 8, on GPUs
+of compute capability 9.0; other inputs raise).
 
-The option ``dwconv_kernel`` picks the backward (``auto``: :data:`AUTO_VARIANT`, the backward and the columns
-that measured fastest for each kernel size; ``tile``: 0; ``fused``: 1), and ``dwconv_tile_cols`` the columns
-of an explicitly chosen one.
+The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_VARIANT`, the backward and the columns
+that measured fastest for each kernel size; ``tile``: 0; ``fused``: 1; ``mma``: 2), and ``dwconv_tile_cols``
+the columns of an explicitly chosen one (for ``mma``, those of its weight gradient).
 
 The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
 
@@ -135,11 +137,22 @@ def _check_flags(add_input, silu) -> None:
             raise TypeError(f"depthwise_conv2d: `{name}` must be a bool, got {type(v).__name__}")
 
 
-def _check_variant(kernel: int, cols: int) -> None:
-    if kernel not in (0, 1):
-        raise ValueError(f"gspn2: `kernel` must be 0 or 1, got {kernel}")
+def _check_variant(kernel: int, cols: int, x: Optional[torch.Tensor] = None, xname: str = "x") -> None:
+    """The ``kernel`` and ``cols`` arguments, and for ``kernel`` 2 on CUDA tensors ``x``'s dtype and channels
+    (the checks of gspn2/csrc/dwconv.cpp, here for fake tensors)."""
+    if kernel not in (0, 1, 2):
+        raise ValueError(f"gspn2: `kernel` must be 0, 1 or 2, got {kernel}")
     if cols not in (4, 8):
         raise ValueError(f"gspn2: `cols` must be 4 or 8, got {cols}")
+    if kernel == 2 and x is not None and x.device.type == "cuda":
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(
+                f"`kernel` 2 (the depthwise tensor-core kernels) takes float16 or bfloat16 `{xname}`, got {x.dtype}"
+            )
+        if x.shape[1] % 8 != 0:
+            raise ValueError(
+                f"`kernel` 2 (the depthwise tensor-core kernels) takes C a multiple of 8, got C = {x.shape[1]}"
+            )
 
 
 _CL = torch.channels_last
@@ -231,7 +244,7 @@ def _dwconv_reference(x, weight, bias, add_input, silu, kernel, cols):
 @torch.library.register_fake("gspn2::depthwise_conv2d", lib=_LIB)
 def _dwconv_fake(x, weight, bias, add_input, silu, kernel, cols):
     _check(x, weight, bias)
-    _check_variant(kernel, cols)
+    _check_variant(kernel, cols, x)
     return torch.empty_like(x)  # same shape, dtype and strides
 
 
@@ -259,7 +272,7 @@ def _dwconv_backward_reference(grad_y, x, weight, has_bias, add_input, kernel, c
 def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input, kernel, cols):
     _check(x, weight, None)
     _check_grad_y(grad_y, x)
-    _check_variant(kernel, cols)
+    _check_variant(kernel, cols, x)
     return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format), weight.new_empty(weight.shape[0])
 
 
@@ -301,9 +314,9 @@ torch.library.register_autograd("gspn2::depthwise_conv2d", _backward, setup_cont
 
 
 def variant(kernel_size: int) -> tuple[int, int]:
-    """The ``(kernel, cols)`` arguments of the op for this kernel size under the current options: the backward
-    (an index into :data:`FAMILIES`: 0, input-gradient and weight-gradient kernels, 1, one pass) and the
-    output columns per thread."""
+    """The ``(kernel, cols)`` arguments of the op for this kernel size under the current options: the family
+    (an index into :data:`FAMILIES`: 0, input-gradient and weight-gradient kernels, 1, one pass, 2, the
+    tensor-core kernels) and the output columns per thread of the tile kernels."""
     o = _options.current()
     family, cols = o.dwconv_kernel, o.dwconv_tile_cols
     if family == "auto":

@@ -21,10 +21,11 @@ environment         option                               values
                                                          supports, else an error), ``cudnn``,
                                                          ``stencil`` (K * K shifted multiply-adds in
                                                          plain ops, which Inductor fuses; slower)
-(none)              ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_VARIANT``: the
-                    kernels' backward                    backward and columns per kernel size), ``tile``
+``GSPN2_DWCONV_``   ``dwconv_kernel``: the depthwise     ``auto`` (``gspn2.ops.dwconv.AUTO_VARIANT``: the
+``KERNEL``          kernels' family                      backward and columns per kernel size), ``tile``
                                                          (input- and weight-gradient kernels), ``fused``
-                                                         (one-pass backward)
+                                                         (one-pass backward), ``mma`` (the tensor
+                                                         cores; 16-bit, C % 8 == 0, sm_90; not measured)
 (none)              ``dwconv_tile_cols``: the depthwise  4 or 8 (benchmarks; ``auto`` picks its own)
                     kernels' output columns per thread
 ``GSPN2_MERGE``     ``merge``: the training mixer's      ``auto`` / ``separate``: a GEMM with the skip,
@@ -80,6 +81,7 @@ __all__ = [
     "BACKEND_ENV",
     "CLUSTER_CTAS",
     "DWCONV_ENV",
+    "DWCONV_KERNEL_ENV",
     "DWCONV_KERNELS",
     "DWCONV_TILE_COLS",
     "EAGER_AUTOGRAD_ENV",
@@ -105,6 +107,7 @@ __all__ = [
 BACKEND_ENV = "GSPN2_BACKEND"
 KERNEL_ENV = "GSPN2_KERNEL"
 DWCONV_ENV = "GSPN2_DWCONV"
+DWCONV_KERNEL_ENV = "GSPN2_DWCONV_KERNEL"
 MERGE_ENV = "GSPN2_MERGE"
 MLP_ENV = "GSPN2_MLP"
 NORM_BACKWARD_ENV = "GSPN2_NORM_BACKWARD"
@@ -116,9 +119,9 @@ RECOMPUTE_ENV = "GSPN2_RECOMPUTE"
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster", "short")
 CLUSTER_CTAS = (0, 2, 4, 8)
-#: The depthwise kernels' backward (after ``auto``, in the order of the op's ``kernel`` argument) and output
-#: columns per thread.
-DWCONV_KERNELS = ("auto", "tile", "fused")
+#: The depthwise kernel families (after ``auto``, in the order of the op's ``kernel`` argument) and the tile
+#: kernels' output columns per thread.
+DWCONV_KERNELS = ("auto", "tile", "fused", "mma")
 DWCONV_TILE_COLS = (4, 8)
 #: The choices of the two formulation options (``merge``, ``mlp``): ``auto`` is the one measured faster.
 FORMULATIONS = ("auto", "separate", "fused")
@@ -140,6 +143,7 @@ _ENV = {
     "backend": BACKEND_ENV,
     "kernel": KERNEL_ENV,
     "dwconv": DWCONV_ENV,
+    "dwconv_kernel": DWCONV_KERNEL_ENV,
     "merge": MERGE_ENV,
     "mlp": MLP_ENV,
     "norm_backward": NORM_BACKWARD_ENV,

@@ -218,6 +218,27 @@ def test_cpu_tensors_run_the_reference():
 
 @pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
 @pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
+def test_dwconv_tensor_core_plan():
+    """The tensor-core kernels' weight-gradient plan (no GPU needed): tiles of 16 rows x 8 or 16 columns (the
+    fewest that cover W), chunks that cover the tiles, about 256 CTAs over the channel blocks."""
+    # gspn2_tiny's mixer at 56^2: 4 x 4 tiles of 16 x 16 per image, 4 blocks of 32 channels, 64 chunks each.
+    q = _cuda.dwconv_mma_plan(128, 120, 56, 56)
+    assert (q["tiles_h"], q["tiles_w"], q["tiles"], q["channel_blocks"]) == (4, 4, 2048, 4)
+    assert (q["chunks"], q["tiles_per_chunk"]) == (64, 32)
+    assert _cuda.dwconv_mma_plan(2, 8, 7, 7)["tiles_w"] == 1  # 8 columns
+    assert _cuda.dwconv_mma_plan(2, 8, 14, 14)["tiles_w"] == 1  # 16 columns
+    assert _cuda.dwconv_mma_plan(2, 8, 14, 40)["tiles_w"] == 3
+    for B, C, H, W in [(41, 1024, 7, 7), (3, 16, 9, 33), (1, 8, 1, 1), (7, 960, 300, 17)]:
+        q = _cuda.dwconv_mma_plan(B, C, H, W)
+        assert q["tiles"] == B * q["tiles_h"] * q["tiles_w"] and q["tiles_h"] * 16 >= H
+        assert q["channel_blocks"] * 32 >= C and q["chunks"] * q["channel_blocks"] <= 256 + q["channel_blocks"]
+        assert (q["chunks"] - 1) * q["tiles_per_chunk"] < q["tiles"] <= q["chunks"] * q["tiles_per_chunk"]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        _cuda.dwconv_mma_plan(0, 8, 7, 7)
+
+
+@pytest.mark.skipif(not _nvcc_present(), reason="no nvcc: setup.py builds the reference-only package")
+@pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
 def test_dwconv_tile_plan():
     """The depthwise tile kernels' plan (no GPU needed): warp tiles that cover the image, chunks that cover
     the tiles, every kernel's shared memory within the budget, fewer warps where 8 would not fit."""

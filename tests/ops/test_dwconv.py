@@ -1,7 +1,7 @@
 """``gspn2.ops.depthwise_conv2d``: the op against ``F.conv2d`` (CPU, float64 gradcheck, opcheck), the fused
 SiLU, argument errors, the backend switch and the MAC count; on a GPU the CUDA kernel against cuDNN (fp32,
-bf16, fp16, both tiles, the scalar path), TMA and ``cp.async`` staging bitwise equal, determinism and
-``torch.compile(fullgraph=True)``. The models
+bf16, fp16, both tiles, the scalar path, the tensor-core family), TMA and ``cp.async`` staging bitwise equal,
+determinism and ``torch.compile(fullgraph=True)``. The models
 against their module-by-module oracle (cuDNN depthwise convolutions): tests/models/test_gspn2_cuda.py."""
 
 from __future__ import annotations
@@ -113,23 +113,56 @@ def test_tma_switch_is_validated_and_restored():
 def test_backend_switch_is_validated():
     with pytest.raises(ValueError, match="GSPN2_DWCONV"):
         options.from_env({"GSPN2_DWCONV": "fast"})
+    assert options.from_env({"GSPN2_DWCONV_KERNEL": "MMA"}).dwconv_kernel == "mma"
+    with pytest.raises(ValueError, match="GSPN2_DWCONV_KERNEL"):
+        options.from_env({"GSPN2_DWCONV_KERNEL": "tensor"})
     for name, value in (("dwconv_tile_cols", 2), ("dwconv_kernel", "row"), ("dwconv", "fast")):
         with pytest.raises(ValueError, match=name):
             options.set_options(**{name: value})
     x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3)
     for kernel, cols in ((4, 8), (0, 2)):
-        with pytest.raises(ValueError, match="`kernel` must be 0 or 1" if kernel == 4 else "`cols` must be 4 or 8"):
+        with pytest.raises(ValueError, match="`kernel` must be 0, 1 or 2" if kernel == 4 else "`cols` must be 4 or 8"):
             torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, kernel, cols)
+    # kernel 2 (the tensor-core kernels) on the CPU: the op's reference, any dtype
+    torch.testing.assert_close(torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, 2, 4), _reference(x, w, None, False))
+
+
+def test_tensor_core_family_refuses_what_it_cannot_run_on_fake_cuda_tensors():
+    """``kernel`` 2 takes 16-bit inputs with C a multiple of 8; the fake implementations (torch.compile's view
+    of a CUDA call) refuse the rest as the CUDA implementation does, naming ``kernel``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cuda_fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with cuda_fake:
+        for C, dtype, err, match in ((16, torch.float32, TypeError, "float16 or bfloat16 `x`"),
+                                     (20, torch.bfloat16, ValueError, "multiple of 8, got C = 20")):
+            x = torch.empty(2, C, 9, 9, dtype=dtype, device="cuda")
+            w = torch.empty(C, 1, 3, 3, device="cuda")
+            with pytest.raises(err, match=match):
+                torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, 2, 4)
+            with pytest.raises(err, match=match):
+                torch.ops.gspn2.depthwise_conv2d_backward(x, x, w, False, False, 2, 4)
+        x = torch.empty(2, 16, 9, 9, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(16, 1, 3, 3, device="cuda")
+        assert torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, 2, 8).shape == x.shape
 
 
 @cuda
 @pytest.mark.cuda
 def test_cuda_kernel_variant_is_validated():
     x, w, b = _cuda_case(1, 8, 5, 5, 3, torch.float32)
-    for kernel, cols, match in ((2, 8, "`kernel` must be 0 or 1"), (-1, 4, "`kernel` must be 0 or 1"),
+    for kernel, cols, match in ((3, 8, "`kernel` must be 0, 1 or 2"), (-1, 4, "`kernel` must be 0, 1 or 2"),
                                 (0, 2, "`cols` must be 4 or 8")):
         with pytest.raises(ValueError, match=match):
             torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, kernel, cols)
+    # the tensor-core kernels: 16-bit inputs with C a multiple of 8, refused before anything runs
+    with pytest.raises(TypeError, match="float16 or bfloat16 `x`"):
+        torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, 2, 4)
+    with pytest.raises(TypeError, match="float16 or bfloat16 `grad_y`"):
+        torch.ops.gspn2.depthwise_conv2d_backward(x, x, w, True, False, 2, 4)
+    x, w, b = _cuda_case(1, 12, 5, 5, 3, torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 8, got C = 12"):
+        torch.ops.gspn2.depthwise_conv2d(x, w, b, False, False, 2, 4)
 
 
 def test_forced_kernel_explains_why_it_cannot_run():
@@ -160,6 +193,8 @@ def test_kernel_family_options_give_the_op_variant():
     assert D.variant(7) == (0, 8)
     options.set_options(dwconv_kernel="fused", dwconv_tile_cols=4)
     assert D.variant(3) == (1, 4)
+    options.set_options(dwconv_kernel="mma", dwconv_tile_cols=8)
+    assert D.variant(7) == (2, 8)
     with pytest.raises(ValueError, match="dwconv_kernel"):
         options.set_options(dwconv_kernel="tiles")
 
@@ -316,6 +351,65 @@ def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
+                                   (2, 24, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 16, 3, 1, 7, False),
+                                   (2, 40, 17, 12, 7, True), (1, 8, 14, 14, 3, False)])
+def test_cuda_tensor_core_kernels_error_no_larger_than_cudnn(shape, dtype):
+    """``kernel`` 2: the forward and input gradient as Toeplitz products on the tensor cores (tiles of 8, 16 and
+    32 columns, partial channel blocks, maps narrower than a tile), with ``add_input`` folded into the centre
+    tap; outputs and gradients against float64, no less accurate than cuDNN in the same dtype."""
+    N, C, H, W, K, add = shape
+    _set_variant("t2v4")
+    x, w, b = _cuda_case(N, C, H, W, K, dtype)
+    gy = torch.randn_like(x)
+    exact = _grads("cudnn", x.double(), w.double(), b.double(), add, gy.double())
+    errs = {}
+    for backend in ("cudnn", "cuda"):
+        got = _grads(backend, x, w, b, add, gy)
+        assert all(t.is_contiguous(memory_format=torch.channels_last) for t in got[:2])
+        errs[backend] = [((o.double() - e).abs().max() / e.abs().max()).item() for o, e in zip(got, exact)]
+    assert all(t <= 2 * c + 1e-3 for t, c in zip(errs["cuda"], errs["cudnn"])), errs
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("K,add", [(3, True), (7, False)])
+def test_cuda_tensor_core_weight_gradient_over_multi_tile_chunks(K, add):
+    """Kernel 2's weight-gradient CTAs sum several tiles each, double-buffered, with a shorter last chunk; the
+    partial sums of the chunks are added in order."""
+    N, C, H, W = 41, 1024, 7, 7
+    q = _cuda.dwconv_mma_plan(N, C, H, W)
+    assert q["tiles_per_chunk"] > 1 and q["tiles"] % q["tiles_per_chunk"] != 0, q  # the case this test is for
+    _set_variant("t2v4")
+    x, w, b = _cuda_case(N, C, H, W, K, torch.bfloat16)
+    gy = torch.randn_like(x)
+    exact = _grads("cudnn", x.double(), w.double(), b.double(), add, gy.double())
+    ours = _grads("cuda", x, w, b, add, gy)
+    cudnn = _grads("cudnn", x, w, b, add, gy)
+    for name, o, c, e in zip(("y", "grad_x", "grad_w", "grad_b"), ours, cudnn, exact):
+        scale = e.abs().max().item()
+        assert (o.double() - e).abs().max().item() <= 2 * (c.double() - e).abs().max().item() + 1e-3 * scale, name
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_tensor_core_kernels_silu_and_many_tiles_per_cta():
+    """The persistent CTAs of kernel 2 over many tiles each (128 images of 56^2 on one channel block), with the
+    fused SiLU, against the tile kernels' float32-tap result (same dtype)."""
+    x, w, b = _cuda_case(128, 32, 56, 56, 7, torch.bfloat16)
+    options.set_options(dwconv="cuda")
+    with torch.no_grad():
+        _set_variant("t2v4")
+        ours = depthwise_conv2d(x, w, b, silu=True)
+        _set_variant("t0v4")
+        tile = depthwise_conv2d(x, w, b, silu=True)
+    torch.testing.assert_close(ours.float(), tile.float(), rtol=2e-2, atol=2e-2)
+    assert (ours != tile).float().mean() < 0.1  # taps to about 16 bits against float32: mostly the same rounding
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["t0v4", "t1v8"])
 @pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False),
@@ -354,7 +448,7 @@ def test_cuda_silu_fused_forward():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8"])
+@pytest.mark.parametrize("variant", ["t0v4", "t0v8", "t1v4", "t1v8", "t2v4"])
 @pytest.mark.parametrize("K", [3, 7])
 def test_cuda_deterministic(variant, K):
     options.set_options(dwconv="cuda")

@@ -34,7 +34,7 @@ def test_bench_dwconv_refuses_without_a_gpu_and_checks_its_arguments(monkeypatch
 def test_gpu_profile_dwconv_refuses_an_unknown_variant_first(monkeypatch):
     monkeypatch.setattr("sys.argv", ["gpu_profile.py", "dwconv", "auto", "t9v4"])
     with script_module("gpu_profile") as module, pytest.raises(
-        SystemExit, match=re.escape("dwconv: a depthwise variant must be auto or one of t0v4, t0v8, t1v4, t1v8, got 't9v4'")
+        SystemExit, match=re.escape("dwconv: a depthwise variant must be auto or one of t0v4, t0v8, t1v4, t1v8, t2v4, t2v8, got 't9v4'")
     ):
         module.main()
 
