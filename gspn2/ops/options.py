@@ -25,7 +25,7 @@ environment         option                               values
 ``KERNEL``          kernels' family                      backward and columns per kernel size), ``tile``
                                                          (input- and weight-gradient kernels), ``fused``
                                                          (one-pass backward), ``mma`` (the tensor
-                                                         cores; 16-bit, C % 8 == 0, sm_90; not measured)
+                                                         cores; 16-bit, C % 8 == 0, sm_90)
 (none)              ``dwconv_tile_cols``: the depthwise  4 or 8 (benchmarks; ``auto`` picks its own)
                     kernels' output columns per thread
 ``GSPN2_MERGE``     ``merge``: the training mixer's      ``auto`` / ``separate``: a GEMM with the skip,
@@ -46,8 +46,8 @@ environment         option                               values
                     input features (the mixer's          broadcast multiply-adds, which Inductor fuses
                     ``proj_up``: ``4 * proxy_dim``)      with the skip, norm and gate after them
                                                          (measured faster); ``gemm``: always a GEMM
-``GSPN2_``          ``recompute``: under                 ``auto`` / ``keep``: AOTAutograd's partitioner
-``RECOMPUTE``       ``torch.compile``, which inputs of   decides (it keeps them); ``gelu``: the MLP's
+``GSPN2_``          ``recompute``: under                 ``keep``: AOTAutograd's partitioner decides
+``RECOMPUTE``       ``torch.compile``, which inputs of   (it keeps them); ``auto`` / ``gelu``: the MLP's
                     the training formulation's GEMMs     ``gelu(h)`` is recomputed from ``h`` in
                     backward recomputes instead of       backward; ``gate``: also the mixer's gated
                     keeping from the forward             norm output (``out_proj``'s input); ``all``:

@@ -422,7 +422,7 @@ def test_recompute_choices_name_what_the_compiled_backward_recomputes(monkeypatc
     normalised inputs (``in_proj``, ``fc1``)."""
     from gspn2.layers import pointwise
 
-    marked = {"keep": set(), "auto": set(), "gelu": {"gelu"}, "gate": {"gelu", "gate"},
+    marked = {"keep": set(), "auto": {"gelu"}, "gelu": {"gelu"}, "gate": {"gelu", "gate"},
               "all": {"gelu", "gate", "norm"}}
     assert set(marked) == set(options._CHOICES["recompute"])
     for choice, want in marked.items():
