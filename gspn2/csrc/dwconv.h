@@ -78,6 +78,14 @@ __host__ __device__
     constexpr int tile_smem_round(int bytes) {
   return (bytes + 127) / 128 * 128;
 }
+// The weight gradients' split of `tiles` (per channel block) into chunks of `*tiles_per_chunk` consecutive tiles,
+// `*chunks` in all, for about `ctas` CTAs over `channel_blocks` blocks: a split that depends on the shape only,
+// which fixes the summation order.
+inline void split_tiles(int64_t tiles, int ctas, int channel_blocks, int64_t* tiles_per_chunk, int* chunks) {
+  const int64_t target = ctas / channel_blocks > 1 ? ctas / channel_blocks : 1;
+  *tiles_per_chunk = tiles > target ? (tiles + target - 1) / target : 1;
+  *chunks = int((tiles + *tiles_per_chunk - 1) / *tiles_per_chunk);
+}
 struct DwTilePlan {
   int rows = kTileRows, cols = 4;  // output pixels per thread
   int sub_h = 1, sub_w = 1;        // warp tiles per CTA

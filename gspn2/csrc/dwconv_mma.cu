@@ -569,9 +569,7 @@ MmaWgradPlan dwconv_mma_wgrad_plan(int B, int H, int W, int C) {
   q.tiles_w = (W + tw - 1) / tw;
   q.tiles = int64_t(B) * q.tiles_h * q.tiles_w;
   q.channel_blocks = (C + kTileLanes - 1) / kTileLanes;
-  const int64_t target = std::max(1, kMmaWgradCtas / q.channel_blocks);
-  q.tiles_per_chunk = std::max<int64_t>(1, (q.tiles + target - 1) / target);
-  q.chunks = int((q.tiles + q.tiles_per_chunk - 1) / q.tiles_per_chunk);
+  split_tiles(q.tiles, kMmaWgradCtas, q.channel_blocks, &q.tiles_per_chunk, &q.chunks);
   return q;
 }
 

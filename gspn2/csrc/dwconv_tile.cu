@@ -566,9 +566,7 @@ DwTilePlan dwconv_tile_plan(int B, int H, int W, int C, int K, int cols, int ele
   q.tiles_h = (nh + q.sub_h - 1) / q.sub_h;
   q.tiles = int64_t(B) * q.tiles_h * q.tiles_w;
   q.channel_blocks = (C + kTileLanes - 1) / kTileLanes;
-  const int64_t target = std::max(1, kTileWgradCtas / q.channel_blocks);
-  q.tiles_per_chunk = std::max<int64_t>(1, (q.tiles + target - 1) / target);
-  q.chunks = int((q.tiles + q.tiles_per_chunk - 1) / q.tiles_per_chunk);
+  split_tiles(q.tiles, kTileWgradCtas, q.channel_blocks, &q.tiles_per_chunk, &q.chunks);
   return q;
 }
 

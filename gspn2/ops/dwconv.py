@@ -272,7 +272,7 @@ def _dwconv_backward_reference(grad_y, x, weight, has_bias, add_input, kernel, c
 def _dwconv_backward_fake(grad_y, x, weight, has_bias, add_input, kernel, cols):
     _check(x, weight, None)
     _check_grad_y(grad_y, x)
-    _check_variant(kernel, cols, x)
+    _check_variant(kernel, cols, grad_y, "grad_y")
     return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format), weight.new_empty(weight.shape[0])
 
 
