@@ -597,18 +597,23 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
   return d;
 }
 
-// The depthwise tensor-core kernels' weight-gradient plan (dwconv.h), for Python: no GPU needed.
-py::dict dwconv_mma_plan(int64_t B, int64_t C, int64_t H, int64_t W) {
-  GSPN2_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1, "B, C, H, W must be >= 1, got ", B, ", ", C, ", ", H, ", ", W);
-  GSPN2_CHECK(B * H * W < (int64_t(1) << 40), "B x H x W is too large: ", B, " x ", H, " x ", W);
-  const MmaWgradPlan q = dwconv_mma_wgrad_plan(int(B), int(H), int(W), int(C));
-  py::dict d;
+// The tiling both depthwise plans (DwTilePlan, MmaWgradPlan) have, into `d`.
+template <typename Plan>
+void put_tiling(py::dict& d, const Plan& q) {
   d["tiles_h"] = q.tiles_h;
   d["tiles_w"] = q.tiles_w;
   d["tiles"] = q.tiles;
   d["channel_blocks"] = q.channel_blocks;
   d["chunks"] = q.chunks;
   d["tiles_per_chunk"] = q.tiles_per_chunk;
+}
+
+// The depthwise tensor-core kernels' weight-gradient plan (dwconv.h), for Python: no GPU needed.
+py::dict dwconv_mma_plan(int64_t B, int64_t C, int64_t H, int64_t W) {
+  GSPN2_CHECK(B >= 1 && C >= 1 && H >= 1 && W >= 1, "B, C, H, W must be >= 1, got ", B, ", ", C, ", ", H, ", ", W);
+  GSPN2_CHECK(B * H * W < (int64_t(1) << 40), "B x H x W is too large: ", B, " x ", H, " x ", W);
+  py::dict d;
+  put_tiling(d, dwconv_mma_wgrad_plan(int(B), int(H), int(W), int(C)));
   return d;
 }
 
@@ -628,12 +633,7 @@ py::dict dwconv_plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, cons
   d["cols"] = q.cols;
   d["sub_h"] = q.sub_h;
   d["sub_w"] = q.sub_w;
-  d["tiles_h"] = q.tiles_h;
-  d["tiles_w"] = q.tiles_w;
-  d["tiles"] = q.tiles;
-  d["channel_blocks"] = q.channel_blocks;
-  d["chunks"] = q.chunks;
-  d["tiles_per_chunk"] = q.tiles_per_chunk;
+  put_tiling(d, q);
   d["smem_forward"] = q.smem_forward;
   d["smem_wgrad"] = q.smem_wgrad;
   d["smem_backward"] = q.smem_backward;
