@@ -25,7 +25,7 @@ of compute capability 9.0; other inputs raise).
 
 The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_VARIANT`, the backward and the columns
 that measured fastest for each kernel size; ``tile``: 0; ``fused``: 1; ``mma``: 2), and ``dwconv_tile_cols``
-the columns of an explicitly chosen one (for ``mma``, those of its weight gradient).
+the columns of an explicitly chosen tile family (``mma`` takes none).
 
 The backend on CUDA tensors is the process option ``dwconv`` (:mod:`gspn2.ops.options`, ``GSPN2_DWCONV``):
 
