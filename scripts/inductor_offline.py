@@ -409,7 +409,8 @@ def main(argv=None) -> None:
             for gb, n, name, kind in sorted(rows, reverse=True)[: args.top]:
                 print(f"  {gb:8.3f} GB  x{n:<3d} {kind:8s} {name}")
     if args.json is not None:
-        record = {"env": dict(_environment(), inductor=inductor), "task": args.task, "batch": batch, "resolution": args.resolution,
+        record = {"env": dict(_environment(), inductor=inductor), "task": args.task, "batch": batch,
+                  "resolution": args.resolution,
                   "tbps": args.tbps, "results": results}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
 

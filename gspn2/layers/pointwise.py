@@ -192,9 +192,11 @@ class ChunkedConv1x1(Conv1x1):
         return outs
 
 
-# ``auto`` is ``gelu``: on the H200 it took gspn2_tiny's compiled training peak from 1.19x to 1.01x Swin-T's for
-# 0.2% of the step (docs/benchmarks.md, "Recomputing the GEMM inputs").
-_RECOMPUTED = {"auto": ("gelu",), "gelu": ("gelu",), "gate": ("gelu", "gate"), "all": ("gelu", "gate", "norm")}
+# ``auto`` is ``gelu``: on the H200 it took gspn2_tiny's compiled training peak from 1.19x to 1.01x Swin-T's
+# for 0.2% of the step (docs/benchmarks.md, "Recomputing the GEMM inputs").
+_RECOMPUTED = {
+    "auto": ("gelu",), "gelu": ("gelu",), "gate": ("gelu", "gate"), "all": ("gelu", "gate", "norm"),
+}
 
 
 def _recomputes(what: str) -> bool:

@@ -20,8 +20,8 @@ an input tile with its halo once in shared memory and gives each thread 4 rows x
 pixels of one channel. ``kernel`` picks the family (:data:`FAMILIES` names the choices): 0 (``tile``), an
 input-gradient kernel (the forward with flipped taps) and a weight-gradient kernel; 1 (``fused``), one pass
 that stages grad_y and x once for all three gradients; 2 (``mma``), every pass on the tensor cores as products
-of Toeplitz matrices (``gspn2/csrc/dwconv_mma.cu``: float16 and bfloat16 inputs with C a multiple of 8, on GPUs
-of compute capability 9.0; other inputs raise).
+of Toeplitz matrices (``gspn2/csrc/dwconv_mma.cu``: float16 and bfloat16 inputs with C a multiple of 8, on
+GPUs of compute capability 9.0; other inputs raise).
 
 The option ``dwconv_kernel`` picks the family (``auto``: :data:`AUTO_VARIANT`, the backward and the columns
 that measured fastest for each kernel size; ``tile``: 0; ``fused``: 1; ``mma``: 2), and ``dwconv_tile_cols``
@@ -145,14 +145,11 @@ def _check_variant(kernel: int, cols: int, x: Optional[torch.Tensor] = None, xna
     if cols not in (4, 8):
         raise ValueError(f"gspn2: `cols` must be 4 or 8, got {cols}")
     if kernel == 2 and x is not None and x.device.type == "cuda":
+        family = "`kernel` 2 (the depthwise tensor-core kernels)"
         if x.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(
-                f"`kernel` 2 (the depthwise tensor-core kernels) takes float16 or bfloat16 `{xname}`, got {x.dtype}"
-            )
+            raise TypeError(f"{family} takes float16 or bfloat16 `{xname}`, got {x.dtype}")
         if x.shape[1] % 8 != 0:
-            raise ValueError(
-                f"`kernel` 2 (the depthwise tensor-core kernels) takes C a multiple of 8, got C = {x.shape[1]}"
-            )
+            raise ValueError(f"{family} takes C a multiple of 8, got C = {x.shape[1]}")
 
 
 _CL = torch.channels_last

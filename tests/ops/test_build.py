@@ -231,7 +231,8 @@ def test_dwconv_tensor_core_plan():
     for B, C, H, W in [(41, 1024, 7, 7), (3, 16, 9, 33), (1, 8, 1, 1), (7, 960, 300, 17)]:
         q = _cuda.dwconv_mma_plan(B, C, H, W)
         assert q["tiles"] == B * q["tiles_h"] * q["tiles_w"] and q["tiles_h"] * 16 >= H
-        assert q["channel_blocks"] * 32 >= C and q["chunks"] * q["channel_blocks"] <= 256 + q["channel_blocks"]
+        assert q["channel_blocks"] * 32 >= C
+        assert q["chunks"] * q["channel_blocks"] <= 256 + q["channel_blocks"]
         assert (q["chunks"] - 1) * q["tiles_per_chunk"] < q["tiles"] <= q["chunks"] * q["tiles_per_chunk"]
     with pytest.raises(ValueError, match="must be >= 1"):
         _cuda.dwconv_mma_plan(0, 8, 7, 7)

@@ -121,10 +121,12 @@ def test_backend_switch_is_validated():
             options.set_options(**{name: value})
     x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3)
     for kernel, cols in ((4, 8), (0, 2)):
-        with pytest.raises(ValueError, match="`kernel` must be 0, 1 or 2" if kernel == 4 else "`cols` must be 4 or 8"):
+        match = "`kernel` must be 0, 1 or 2" if kernel == 4 else "`cols` must be 4 or 8"
+        with pytest.raises(ValueError, match=match):
             torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, kernel, cols)
     # kernel 2 (the tensor-core kernels) on the CPU: the op's reference, any dtype
-    torch.testing.assert_close(torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, 2, 4), _reference(x, w, None, False))
+    y = torch.ops.gspn2.depthwise_conv2d(x, w, None, False, False, 2, 4)
+    torch.testing.assert_close(y, _reference(x, w, None, False))
 
 
 def test_tensor_core_family_refuses_what_it_cannot_run_on_fake_cuda_tensors():
@@ -352,9 +354,9 @@ def test_cuda_16bit_error_no_larger_than_cudnn(dtype, C, K, variant):
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False), (1, 200, 7, 7, 7, True),
-                                   (2, 24, 9, 33, 5, True), (1, 960, 7, 7, 3, False), (2, 16, 3, 1, 7, False),
-                                   (2, 40, 17, 12, 7, True), (1, 8, 14, 14, 3, False)])
+@pytest.mark.parametrize("shape", [(2, 80, 56, 56, 3, True), (3, 120, 28, 20, 7, False),
+                                   (1, 200, 7, 7, 7, True), (2, 24, 9, 33, 5, True), (1, 960, 7, 7, 3, False),
+                                   (2, 16, 3, 1, 7, False), (2, 40, 17, 12, 7, True), (1, 8, 14, 14, 3, False)])
 def test_cuda_tensor_core_kernels_error_no_larger_than_cudnn(shape, dtype):
     """``kernel`` 2: the forward and input gradient as Toeplitz products on the tensor cores (tiles of 8, 16 and
     32 columns, partial channel blocks, maps narrower than a tile), with ``add_input`` folded into the centre
@@ -389,7 +391,8 @@ def test_cuda_tensor_core_weight_gradient_over_multi_tile_chunks(K, add):
     cudnn = _grads("cudnn", x, w, b, add, gy)
     for name, o, c, e in zip(("y", "grad_x", "grad_w", "grad_b"), ours, cudnn, exact):
         scale = e.abs().max().item()
-        assert (o.double() - e).abs().max().item() <= 2 * (c.double() - e).abs().max().item() + 1e-3 * scale, name
+        ours_err, cudnn_err = ((t.double() - e).abs().max().item() for t in (o, c))
+        assert ours_err <= 2 * cudnn_err + 1e-3 * scale, name
 
 
 @cuda
@@ -405,7 +408,8 @@ def test_cuda_tensor_core_kernels_silu_and_many_tiles_per_cta():
         _set_variant("t0v4")
         tile = depthwise_conv2d(x, w, b, silu=True)
     torch.testing.assert_close(ours.float(), tile.float(), rtol=2e-2, atol=2e-2)
-    assert (ours != tile).float().mean() < 0.1  # taps to about 16 bits against float32: mostly the same rounding
+    # taps to about 16 bits against float32: mostly the same rounding
+    assert (ours != tile).float().mean() < 0.1
 
 
 @cuda
