@@ -20,7 +20,7 @@
 // * grad_y[r][8g + n] is one mma per 16 x 8 block (A: the input plane read transposed, B: grad_y's plane), summed
 // over the CTA's tiles in registers; tap (i, j) of the gradient is the sum of D_i along the diagonal k - n = j,
 // taken once per CTA in a fixed order, and the bias gradient is one more product with a matrix of ones. The
-// CTAs' partial sums are added in chunk order by the tile kernels' reduce pass (deterministic).
+// CTAs' partial sums are added in a fixed order by the tile kernels' reduce pass (deterministic).
 //
 // Inputs that are not finite reach more outputs than in a direct convolution: a product of inf or NaN with a
 // zero of B is NaN, so such an input poisons the 8-column block of every output row whose window holds it.
@@ -501,8 +501,7 @@ std::string launch_mma_wgrad(const DwConvWgradParams& p) {
   const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
   kernel<<<grid, kMmaThreads, L::wg_bytes, p.stream>>>(p.partial, p.C, fast_div(q.tiles_h), fast_div(q.tiles_w),
                                                         int(q.tiles), int(q.tiles_per_chunk), map_x, map_g);
-  dwconv_tile_reduce_kernel<<<unsigned(((p.K * p.K + 1) * int64_t(p.C) + 255) / 256), 256, 0, p.stream>>>(
-      p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K);
+  launch_chunk_reduce(p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K, p.stream);
   return "";
 }
 

@@ -504,8 +504,7 @@ struct TileWgradLauncher {
     const std::string err =
         p.grad_x != nullptr ? launch_tile_backward<T, K, CW>(p, q) : launch_tile_wgrad<T, K, CW>(p, q);
     if (!err.empty()) return err;
-    dwconv_tile_reduce_kernel<<<unsigned(((p.K * p.K + 1) * int64_t(p.C) + 255) / 256), 256, 0, p.stream>>>(
-        p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K);
+    launch_chunk_reduce(p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K, p.stream);
     return "";
   }
 };

@@ -153,20 +153,42 @@ __device__ __forceinline__ void pipeline_chunk(int tiles, int tiles_per_chunk, u
   pipeline_tiles(first, min(first + tiles_per_chunk, tiles), 1, bars, stage, compute);
 }
 
-// The chunks' partial sums in chunk order: grad_w (C, K*K) and grad_b (C,).
-__global__ void dwconv_tile_reduce_kernel(const float* __restrict__ partial, float* __restrict__ grad_w,
-                                          float* __restrict__ grad_b, int chunks, int C, int KK) {
+// The chunks' partial sums: grad_w (C, K*K) and grad_b (C,) from partial (chunks, K*K + 1, C). A CTA takes 32
+// consecutive elements (lane = element, coalesced); warp w adds chunks w, w + kReduceWarps, ... in order, with
+// several loads in flight, then warp 0 adds the warps' sums in warp order. The order depends on the chunk count
+// only, so the result is the same on every GPU.
+constexpr int kReduceWarps = 8;
+__global__ void __launch_bounds__(kReduceWarps * 32) dwconv_tile_reduce_kernel(
+    const float* __restrict__ partial, float* __restrict__ grad_w, float* __restrict__ grad_b, int chunks, int C,
+    int KK) {
+  __shared__ float sums[kReduceWarps][32];
   const int64_t n = int64_t(KK + 1) * C;
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= n) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t e = int64_t(blockIdx.x) * 32 + lane;
   float sum = 0.f;
-  for (int k = 0; k < chunks; ++k) sum += partial[int64_t(k) * n + e];
+  if (e < n) {
+#pragma unroll 8
+    for (int k = warp; k < chunks; k += kReduceWarps) sum += partial[int64_t(k) * n + e];
+  }
+  sums[warp][lane] = sum;
+  __syncthreads();
+  if (warp != 0 || e >= n) return;
+  float total = sums[0][lane];
+#pragma unroll
+  for (int w = 1; w < kReduceWarps; ++w) total += sums[w][lane];
   const int tap = int(e / C), c = int(e % C);
   if (tap < KK) {
-    grad_w[int64_t(c) * KK + tap] = sum;
+    grad_w[int64_t(c) * KK + tap] = total;
   } else {
-    grad_b[c] = sum;
+    grad_b[c] = total;
   }
+}
+
+inline void launch_chunk_reduce(const float* partial, float* grad_w, float* grad_b, int chunks, int C, int KK,
+                                cudaStream_t stream) {
+  const int64_t n = int64_t(KK + 1) * C;
+  dwconv_tile_reduce_kernel<<<unsigned((n + 31) / 32), kReduceWarps * 32, 0, stream>>>(partial, grad_w, grad_b,
+                                                                                      chunks, C, KK);
 }
 
 // Opts `kernel` in to `bytes` of dynamic shared memory where that is over the default 48 KB. One flag per

@@ -124,7 +124,7 @@ def dwconv_plan(B, C, H, W, K, dtype="bfloat16", cols=4, smem_limit=0) -> dict:
 def dwconv_mma_plan(B, C, H, W) -> dict:
     """The depthwise tensor-core kernels' weight-gradient plan (gspn2/csrc/dwconv.h): tiles of 16 rows x 8 or 16
     columns (``tiles_h`` x ``tiles_w`` per image, ``tiles`` in all), 32-channel blocks and the ``chunks`` of
-    ``tiles_per_chunk`` consecutive tiles whose partial sums are added in order. Needs no GPU."""
+    ``tiles_per_chunk`` consecutive tiles whose partial sums are added in a fixed order. Needs no GPU."""
     require_extension()
     return dict(_C.dwconv_mma_plan(B, C, H, W))
 
