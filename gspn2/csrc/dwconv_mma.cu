@@ -320,8 +320,8 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dwconv_mma_kernel(
       });
 }
 
-// Weight and bias gradients of 16-bit x and grad_y, channels-last, C a multiple of 8: CTA blockIdx.x sums its chunk
-// of tiles_per_chunk consecutive tiles for its 32 channels into partial[blockIdx.x][tap][c] (tap K * K: the bias).
+// Weight and bias gradients of 16-bit x and grad_y, channels-last, C a multiple of 8: the CTA of chunk wgrad_chunk()
+// sums its tiles_per_chunk consecutive tiles for its 32 channels into partial[chunk][tap][c] (tap K * K: the bias).
 // x arrives through `tm_x` (boxes of 8 channels x CS x RT, with the halo), grad_y through `tm_g` (8 x TW x 16).
 template <typename T, int K, int NT>
 __global__ void __launch_bounds__(kMmaThreads, 1) dwconv_mma_wgrad_kernel(
@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dwconv_mma_wgrad_kernel(
   const uint32_t xplanes = smem_addr(smem_raw + L::wg_plane_off), gplanes = smem_addr(smem_raw + L::wg_gplane_off);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int mat = lane / 8, mrow = lane % 8;
-  const int c0 = blockIdx.y * kTileLanes;
+  const int c0 = wgrad_channel_block() * kTileLanes;
   constexpr int buf_elems = 4 * (L::GS + L::GSG);
 
   float d[2][K][4], db[2][4];  // D_i of the warp's channels warp and warp + 16, and the bias products
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dwconv_mma_wgrad_kernel(
 #pragma unroll
           for (int n = 0; n < 8; ++n) sum += scratch[K * 128 + n];
         }
-        partial[(int64_t(blockIdx.x) * (KK + 1) + tap) * C + c0 + cl] = sum;
+        partial[(int64_t(wgrad_chunk()) * (KK + 1) + tap) * C + c0 + cl] = sum;
       }
     }
     __syncwarp();
@@ -498,7 +498,7 @@ std::string launch_mma_wgrad(const DwConvWgradParams& p) {
   if (err.empty()) err = encode_tile_box(&map_g, p.grad_y, p.dtype, p.B, p.H, p.W, p.C, L::TW, kMmaRows, 8);
   if (!err.empty()) return err;
   allow_smem<Tag>(kernel, L::wg_bytes);
-  const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
+  const dim3 grid(unsigned(q.channel_blocks), unsigned(q.chunks));  // wgrad_channel_block(), wgrad_chunk()
   kernel<<<grid, kMmaThreads, L::wg_bytes, p.stream>>>(p.partial, p.C, fast_div(q.tiles_h), fast_div(q.tiles_w),
                                                         int(q.tiles), int(q.tiles_per_chunk), map_x, map_g);
   launch_chunk_reduce(p.partial, p.grad_w, p.grad_b, q.chunks, p.C, p.K * p.K, p.stream);

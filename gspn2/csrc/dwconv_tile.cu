@@ -81,7 +81,7 @@ __device__ __forceinline__ TileGeometry tile_geometry(int tile, const FastDiv& t
 
 // The end of the weight-gradient CTAs: the warps' tap sums (and the bias sum, tap K * K) added in warp order
 // (warp 0 first; deterministic) in shared memory (`red`: (KK + 1) * kTileLanes floats, reusing the staging
-// memory) and written to partial[blockIdx.x][tap][c].
+// memory) and written to partial[chunk][tap][c].
 template <int KK>
 __device__ __forceinline__ void store_chunk_partials(float* red, const float (&acc)[KK], float accb,
                                                      float* __restrict__ partial, int C, int c0) {
@@ -98,7 +98,7 @@ __device__ __forceinline__ void store_chunk_partials(float* red, const float (&a
   __syncthreads();
   for (int e = threadIdx.x; e < (KK + 1) * kTileLanes; e += blockDim.x) {
     const int tap = e / kTileLanes, l = e % kTileLanes;
-    if (c0 + l < C) partial[(int64_t(blockIdx.x) * (KK + 1) + tap) * C + c0 + l] = red[e];
+    if (c0 + l < C) partial[(int64_t(wgrad_chunk()) * (KK + 1) + tap) * C + c0 + l] = red[e];
   }
 }
 
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps, K == 7 && CW == 4 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem_raw);
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
-  const int c0 = blockIdx.y * kTileLanes;
+  const int c0 = wgrad_channel_block() * kTileLanes;
   const int th = sub_h * R, tw = sub_w * CW, cols = tw + K - 1;
   const int x_elems = staged_elems<T>((th + K - 1) * cols), g_elems = staged_elems<T>(th * tw);
   // Two buffers of [x with its halo: (th + K - 1) * cols pixels][lane], then [grad_y: th * tw pixels][lane]
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kTileLanes * kTileMaxWarps) dwconv_tile_backwa
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem_raw);
   const int lane = threadIdx.x % kTileLanes, warp = threadIdx.x / kTileLanes;
-  const int c0 = blockIdx.y * kTileLanes, c = c0 + lane;
+  const int c0 = wgrad_channel_block() * kTileLanes, c = c0 + lane;
   const int th = sub_h * R, tw = sub_w * CW, rows = th + K - 1, cols = tw + K - 1;
   const int elems = staged_elems<T>(rows * cols);  // one staged tensor with its halo
   float* s_w = reinterpret_cast<float*>(smem_raw + kTileBarBytes);  // [lane][tap], flipped
@@ -445,7 +445,7 @@ std::string launch_tile_wgrad(const DwConvWgradParams& p, const DwTilePlan& q) {
   const std::string err = tile_staging<Tag>(&s, kernel, p.dtype, p.B, p.H, p.W, p.C, p.x, tw + p.K - 1,
                                             th + p.K - 1, p.grad_y, tw, th);
   if (!err.empty()) return err;
-  const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
+  const dim3 grid(unsigned(q.channel_blocks), unsigned(q.chunks));  // wgrad_channel_block(), wgrad_chunk()
   kernel<<<grid, kTileLanes * q.sub_h * q.sub_w, q.smem_wgrad, p.stream>>>(
       static_cast<const T*>(p.grad_y), static_cast<const T*>(p.x), p.partial, p.H, p.W, p.C, fast_div(q.tiles_h),
       fast_div(q.tiles_w), q.sub_h, q.sub_w, int(q.tiles), int(q.tiles_per_chunk), s.vec, s.a, s.b, s.on);
@@ -462,7 +462,7 @@ std::string launch_tile_backward(const DwConvWgradParams& p, const DwTilePlan& q
   const std::string err = tile_staging<Tag>(&s, kernel, p.dtype, p.B, p.H, p.W, p.C, p.x, tw + p.K - 1,
                                             th + p.K - 1, p.grad_y, tw + p.K - 1, th + p.K - 1);
   if (!err.empty()) return err;
-  const dim3 grid(unsigned(q.chunks), unsigned(q.channel_blocks));
+  const dim3 grid(unsigned(q.channel_blocks), unsigned(q.chunks));  // wgrad_channel_block(), wgrad_chunk()
   kernel<<<grid, kTileLanes * q.sub_h * q.sub_w, q.smem_backward, p.stream>>>(
       static_cast<const T*>(p.grad_y), static_cast<const T*>(p.x), p.weight, static_cast<T*>(p.grad_x), p.partial,
       p.H, p.W, p.C, fast_div(q.tiles_h), fast_div(q.tiles_w), q.sub_h, q.sub_w, int(q.tiles),

@@ -144,12 +144,19 @@ __device__ __forceinline__ void pipeline_tiles(int first, int end, int step, uin
   }
 }
 
-// The weight-gradient kernels' split: CTA blockIdx.x takes tiles_per_chunk consecutive tiles (fewer in the
+// The weight-gradient kernels' grid: (channel block, chunk), channel blocks fastest, so that the CTAs of one
+// chunk's channel blocks run together and read the same pixels at about the same time: a DRAM fetch of a
+// pixel's channels then serves every channel block (with the chunk fastest, each channel block would fetch
+// the pixels from DRAM again).
+__device__ __forceinline__ int wgrad_channel_block() { return int(blockIdx.x); }
+__device__ __forceinline__ int wgrad_chunk() { return int(blockIdx.y); }
+
+// The weight-gradient kernels' split: chunk wgrad_chunk() takes tiles_per_chunk consecutive tiles (fewer in the
 // last chunk), a split that fixes the summation order.
 template <typename Stage, typename Compute>
 __device__ __forceinline__ void pipeline_chunk(int tiles, int tiles_per_chunk, uint64_t* bars, Stage&& stage,
                                                Compute&& compute) {
-  const int first = int(blockIdx.x) * tiles_per_chunk;
+  const int first = wgrad_chunk() * tiles_per_chunk;
   pipeline_tiles(first, min(first + tiles_per_chunk, tiles), 1, bars, stage, compute);
 }
 
