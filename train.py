@@ -99,6 +99,7 @@ from gspn2.train.finetune import load_initial_weights
 from gspn2.train.history import append_sweep_row, keep_top_k, summary_csv
 from gspn2.train.plotting import plot_curves
 from gspn2.train.rundir import (
+    InterruptsDeferred,
     ResumePoint,
     RunDirError,
     RunDirLock,
@@ -627,7 +628,8 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                         parts, progress, model_name=cfg.model.name, classes=class_names(train_set),
                         rng=rng, config=config_dict, mid_epoch=position,
                     )  # fmt: skip
-                    save_checkpoint(state, run_dir / RECOVERY_NAME)
+                    with InterruptsDeferred(str(run_dir / RECOVERY_NAME)):
+                        save_checkpoint(state, run_dir / RECOVERY_NAME)
 
             finished = train_one_epoch(
                 parts, train_loader, cfg, info, epoch, updates_per_epoch, progress, run, bar,
@@ -711,34 +713,35 @@ def _train(cfg: DictConfig, overrides: list[str] | None, cleanup: contextlib.Exi
                     rng=rng,
                     config=config_dict,
                 )
-                kept = keep_top_k(run_dir, progress.history, state, cfg.trainer.checkpoint_hist)
-                results = {
-                    **{k: v for k, v in record.items() if k != "epoch_s"},
-                    "best_top1": progress.best_top1,
-                    "best_epoch": progress.best_epoch,
-                    "model": cfg.model.name,
-                    "params": count.params,
-                    "macs": count.macs,
-                    "img_size": cfg.data.img_size,
-                    "global_batch": global_batch,
-                    "world_size": info.world_size,
-                    "train_s": sum(h["epoch_s"] for h in progress.history),
-                    "speed": run_figures(progress.history),  # the training steps over all epochs
-                    "run_dir": str(run_dir),
-                    "checkpoint": str(run_dir / "last.pt"),
-                    "top_k_epochs": kept,
-                    "backend": backend,
-                    "overrides": overrides,
-                    "history": progress.history,
-                }
-                publish_epoch(
-                    run_dir,
-                    state,
-                    results,
-                    is_best,
-                    title=f"{cfg.name} / {run_dir.name}: {cfg.model.name}",
-                    train_label=train_loss_label,
-                )
+                with InterruptsDeferred(f"the epoch's files in {run_dir}"):  # a Ctrl-C waits for them
+                    kept = keep_top_k(run_dir, progress.history, state, cfg.trainer.checkpoint_hist)
+                    results = {
+                        **{k: v for k, v in record.items() if k != "epoch_s"},
+                        "best_top1": progress.best_top1,
+                        "best_epoch": progress.best_epoch,
+                        "model": cfg.model.name,
+                        "params": count.params,
+                        "macs": count.macs,
+                        "img_size": cfg.data.img_size,
+                        "global_batch": global_batch,
+                        "world_size": info.world_size,
+                        "train_s": sum(h["epoch_s"] for h in progress.history),
+                        "speed": run_figures(progress.history),  # the training steps over all epochs
+                        "run_dir": str(run_dir),
+                        "checkpoint": str(run_dir / "last.pt"),
+                        "top_k_epochs": kept,
+                        "backend": backend,
+                        "overrides": overrides,
+                        "history": progress.history,
+                    }
+                    publish_epoch(
+                        run_dir,
+                        state,
+                        results,
+                        is_best,
+                        title=f"{cfg.name} / {run_dir.name}: {cfg.model.name}",
+                        train_label=train_loss_label,
+                    )
                 run.log(
                     {"epoch": epoch + 1, "train/epoch_loss": train_loss}
                     | {f"epoch/{k}": v for k, v in speed.items() if v is not None}

@@ -11,6 +11,8 @@ recovery a start performs after a crash.
   uncommitted one, so after a crash at any point the directory holds one epoch's set or the previous
   one's, never a mix.
 * :func:`recover` also deletes the ``.*.tmp`` files an interrupted atomic write leaves behind.
+* :class:`InterruptsDeferred` -- a Ctrl-C that arrives while checkpoints are written takes effect once
+  they are complete, so the checkpoint an interrupted run names is the newest one.
 * :func:`resume_point` -- which checkpoint a start continues from, with the way out when the run's own
   ``last.pt`` is damaged.
 """
@@ -23,8 +25,10 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -34,6 +38,7 @@ from gspn2.train.checkpoint import CheckpointError, atomic_write_bytes, load_che
 __all__ = [
     "LOCK_NAME",
     "STAGING_NAME",
+    "InterruptsDeferred",
     "RunDirError",
     "RunDirBusy",
     "RunDirLock",
@@ -55,6 +60,46 @@ class RunDirError(RuntimeError):
 
 class RunDirBusy(RunDirError):
     """Another live trainer holds the run directory."""
+
+
+class InterruptsDeferred:
+    """``with InterruptsDeferred("the epoch's checkpoint"):`` holds a Ctrl-C (SIGINT) that arrives inside
+    the block until the block is done, then raises :class:`KeyboardInterrupt`; a second Ctrl-C raises at
+    once, abandoning the write (whatever error the abandoned write then raises becomes that
+    KeyboardInterrupt's cause).
+
+    Without it a Ctrl-C lands inside ``torch.save`` and the zip writer's cleanup replaces the
+    KeyboardInterrupt with its own error. Acts only in the main thread and only while SIGINT has
+    Python's default handler; anywhere else the block runs unchanged.
+    """
+
+    def __init__(self, what: str):
+        self.what = what
+        self.received = 0
+        self._previous = None
+
+    def _hold(self, signum, frame) -> None:
+        self.received += 1
+        if self.received > 1:
+            raise KeyboardInterrupt
+        print(f"\nCtrl-C: finishing {self.what} first (Ctrl-C again to abandon it)", file=sys.stderr)
+
+    def __enter__(self) -> InterruptsDeferred:
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            return
+        if kind is not None and self.received > 1:
+            raise KeyboardInterrupt from error  # the abandoned write's own error, caused by the Ctrl-C
+        if kind is None and self.received:
+            raise KeyboardInterrupt
 
 
 def _fsync_dir(path: Path) -> None:

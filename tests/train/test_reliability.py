@@ -18,7 +18,15 @@ import torch
 import gspn2.train.data as data_module
 from gspn2.train.checkpoint import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint
 from gspn2.train.data import DataError, ImageError, build_dataset, read_image, verify_images
-from gspn2.train.rundir import LOCK_NAME, STAGING_NAME, RunDirBusy, RunDirLock, publish, recover
+from gspn2.train.rundir import (
+    LOCK_NAME,
+    STAGING_NAME,
+    InterruptsDeferred,
+    RunDirBusy,
+    RunDirLock,
+    publish,
+    recover,
+)
 from tests.train._helpers import (
     CONFIGS,
     TINY,
@@ -249,6 +257,68 @@ def test_a_failing_write_publishes_nothing_and_a_committed_set_is_finished_first
         f"completed the interrupted write of epoch 3 in {run_dir} (moved into place: b.txt)"
     ]
     assert (run_dir / "b.txt").read_text() == "3" and not staged.exists()
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT with Python's own handler (a KeyboardInterrupt), as in a trainer started from a shell."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c(times: int = 1) -> None:
+    for _ in range(times):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs in the main thread at its next bytecode
+
+
+def test_ctrl_c_during_the_writes_waits_for_the_set_then_interrupts(python_sigint, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    publish(run_dir, {"a.txt": lambda p: p.write_text("1"), "b.txt": lambda p: p.write_text("1")})
+
+    def interrupted_write(path):
+        _ctrl_c()
+        path.write_text("2")
+
+    written = []
+    with pytest.raises(KeyboardInterrupt), InterruptsDeferred("epoch 2's files"):
+        publish(run_dir, {"a.txt": interrupted_write, "b.txt": lambda p: p.write_text("2")})
+        written.append("after publish")
+    assert written == ["after publish"]  # the Ctrl-C waited for the block's end
+    assert (run_dir / "a.txt").read_text() == (run_dir / "b.txt").read_text() == "2"
+    assert "Ctrl-C: finishing epoch 2's files first (Ctrl-C again to abandon it)" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with InterruptsDeferred("nothing"):  # no Ctrl-C, no KeyboardInterrupt
+        pass
+
+
+def test_second_ctrl_c_abandons_the_write_and_stays_a_keyboard_interrupt(python_sigint, tmp_path):
+    """A second Ctrl-C stops at once; the writer's own cleanup error (torch.save's zip writer raises one
+    when a KeyboardInterrupt cuts a record short) does not replace the interrupt."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    publish(run_dir, {"a.txt": lambda p: p.write_text("1")})
+
+    def abandoned_write(path):
+        try:
+            path.write_text("half")
+            _ctrl_c(2)
+            path.write_text("2")
+        finally:
+            raise RuntimeError("unexpected pos 4313728 vs 4313616")
+
+    with pytest.raises(KeyboardInterrupt) as caught, InterruptsDeferred("epoch 2's files"):
+        publish(run_dir, {"a.txt": abandoned_write})
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert (run_dir / "a.txt").read_text() == "1" and not (run_dir / STAGING_NAME).exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_error_without_ctrl_c_passes_through_unchanged(python_sigint, tmp_path):
+    with pytest.raises(OSError, match="No space left"), InterruptsDeferred("x"):
+        raise OSError(28, "No space left on device")
 
 
 # ------------------------------------------------------------------------------------ 4. *.tmp cleanup
