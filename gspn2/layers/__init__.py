@@ -15,6 +15,7 @@ from gspn2.layers.pointwise import (
     from_rows,
     gelu_linear,
     norm_linear,
+    recomputed_silu,
     rows_linear,
     to_rows,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "gelu_linear",
     "layer_norm_last_dim",
     "norm_linear",
+    "recomputed_silu",
     "rows_linear",
     "to_rows",
 ]

@@ -43,7 +43,7 @@ from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
 __all__ = [
     "POINTWISE_MAX_IN", "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows",
-    "gelu_linear", "norm_linear", "rows_linear", "to_rows",
+    "gelu_linear", "norm_linear", "recomputed_silu", "rows_linear", "to_rows",
 ]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
@@ -195,14 +195,19 @@ class ChunkedConv1x1(Conv1x1):
 # ``auto`` is ``gelu``: on the H200 it took gspn2_tiny's compiled training peak from 1.19x to 1.01x Swin-T's
 # for 0.2% of the step (docs/benchmarks.md, "Recomputing the GEMM inputs").
 _RECOMPUTED = {
-    "auto": ("gelu",), "gelu": ("gelu",), "gate": ("gelu", "gate"), "all": ("gelu", "gate", "norm"),
+    "auto": ("gelu",),
+    "gelu": ("gelu",),
+    "act": ("gelu", "silu"),
+    "gate": ("gelu", "silu", "gate"),
+    "all": ("gelu", "silu", "gate", "norm"),
 }
 
 
 def _recomputes(what: str) -> bool:
     """Whether ``torch.compile``, tracing now, recomputes ``what`` in backward instead of keeping it, as the
-    option ``recompute`` asks (:mod:`gspn2.ops.options`): ``"gelu"`` (the MLP's), ``"gate"`` (the gated
-    norm's output, the input of the mixer's ``out_proj``) or ``"norm"`` (the other normalised GEMM inputs)."""
+    option ``recompute`` asks (:mod:`gspn2.ops.options`): ``"gelu"`` (the MLP's), ``"silu"`` (the mixer's
+    value branch, :func:`recomputed_silu`), ``"gate"`` (the gated norm's output, the input of the mixer's
+    ``out_proj``) or ``"norm"`` (the other normalised GEMM inputs)."""
     if not torch.compiler.is_compiling():
         return False
     return what in _RECOMPUTED.get(_options.current().recompute, ())
@@ -213,6 +218,15 @@ def _recomputed(fn, *args):
     partitioner then keeps ``fn``'s inputs where it would keep its output, and Inductor recomputes the
     output in the backward kernel that reads those inputs anyway."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def recomputed_silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(x)``. Under ``torch.compile`` with the option ``recompute`` at ``act``, ``gate`` or ``all``,
+    the compiled backward recomputes it from ``x``, which it keeps for SiLU's own gradient anyway: one
+    tensor kept instead of two where ``F.silu(x)`` also feeds a GEMM (the mixer's ``generate``)."""
+    if _recomputes("silu"):
+        return _recomputed(F.silu, x)
+    return F.silu(x)
 
 
 class _GeluLinear(torch.autograd.Function):

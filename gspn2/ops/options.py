@@ -49,8 +49,10 @@ environment         option                               values
 ``GSPN2_``          ``recompute``: under                 ``keep``: AOTAutograd's partitioner decides
 ``RECOMPUTE``       ``torch.compile``, which inputs of   (it keeps them); ``auto`` / ``gelu``: the MLP's
                     the training formulation's GEMMs     ``gelu(h)`` is recomputed from ``h`` in
-                    backward recomputes instead of       backward; ``gate``: also the mixer's gated
-                    keeping from the forward             norm output (``out_proj``'s input); ``all``:
+                    backward recomputes instead of       backward; ``act``: also the mixer's
+                    keeping from the forward             ``silu(dwconv(v))`` (``generate``'s input);
+                                                         ``gate``: also the mixer's gated norm output
+                                                         (``out_proj``'s input); ``all``:
                                                          also the other normalised inputs of
                                                          ``norm_linear``'s GEMMs (the recomputed
                                                          chains' backward is autograd's, so
@@ -136,7 +138,7 @@ _CHOICES = {
     "eager_autograd": ("auto", "python"),
     "layer_norm": ("auto", "cuda", "aten"),
     "small_gemm": ("auto", "gemm", "pointwise"),
-    "recompute": ("auto", "keep", "gelu", "gate", "all"),
+    "recompute": ("auto", "keep", "gelu", "act", "gate", "all"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {

@@ -7,7 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gspn2.layers import ChunkedConv1x1, Conv1x1, cpp_ops_available, gelu_linear, norm_linear, rows_linear
+from gspn2.layers import (
+    ChunkedConv1x1,
+    Conv1x1,
+    cpp_ops_available,
+    gelu_linear,
+    norm_linear,
+    recomputed_silu,
+    rows_linear,
+)
 from gspn2.layers.pointwise import POINTWISE_MAX_IN
 from gspn2.ops import options
 
@@ -416,20 +424,51 @@ def test_recompute_option_keeps_fewer_gemm_inputs_with_the_same_values_and_gradi
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("choice,kept_hidden", [("keep", 2), ("gelu", 2), ("act", 1), ("all", 1)])
+def test_recomputed_silu_keeps_its_input_alone_from_act_on(choice, kept_hidden):
+    """The mixer's value branch, ``generate(silu(a))`` with ``a`` computed in the graph: compiled, the
+    forward keeps ``a`` (SiLU's gradient needs it) and ``silu(a)`` (the GEMM's weight gradient) unless
+    ``recompute`` is ``act`` or beyond, which recomputes ``silu(a)`` from ``a`` in backward; outputs and
+    gradients stay those of eager."""
+    g = torch.Generator().manual_seed(5)
+    N, C, hidden, out_features = 64, 12, 40, 24
+    x = torch.randn(N, C, generator=g)
+    w1, w2 = torch.randn(hidden, C, generator=g) * 0.3, torch.randn(out_features, hidden, generator=g) * 0.3
+
+    def branch(x, w1, w2):
+        return F.linear(recomputed_silu(F.linear(x, w1)), w2)
+
+    def run(compiled):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        with options.override(recompute=choice):
+            if compiled:
+                out, kept = _saved_for_backward(branch, *leaves)
+            else:
+                out, kept = branch(*leaves), None
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in leaves], kept
+
+    got, kept = run(compiled=True)
+    assert kept.count((N, hidden)) == kept_hidden, kept
+    for a, b in zip(got, run(compiled=False)[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_recompute_choices_name_what_the_compiled_backward_recomputes(monkeypatch):
     """Each ``recompute`` choice and the GEMM inputs it marks for recomputation under torch.compile (none
-    outside it): the MLP's ``gelu(h)``, the mixer's gated norm output (``out_proj``'s input), the other
-    normalised inputs (``in_proj``, ``fc1``)."""
+    outside it): the MLP's ``gelu(h)``, the mixer's ``silu(dwconv(v))`` (``generate``'s input), its gated
+    norm output (``out_proj``'s input), the other normalised inputs (``in_proj``, ``fc1``)."""
     from gspn2.layers import pointwise
 
-    marked = {"keep": set(), "auto": {"gelu"}, "gelu": {"gelu"}, "gate": {"gelu", "gate"},
-              "all": {"gelu", "gate", "norm"}}
+    marked = {"keep": set(), "auto": {"gelu"}, "gelu": {"gelu"}, "act": {"gelu", "silu"},
+              "gate": {"gelu", "silu", "gate"}, "all": {"gelu", "silu", "gate", "norm"}}
     assert set(marked) == set(options._CHOICES["recompute"])
+    what = ("gelu", "silu", "gate", "norm")
     for choice, want in marked.items():
         with options.override(recompute=choice):
-            assert not any(pointwise._recomputes(w) for w in ("gelu", "gate", "norm"))  # eager
+            assert not any(pointwise._recomputes(w) for w in what)  # eager
             monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-            assert {w for w in ("gelu", "gate", "norm") if pointwise._recomputes(w)} == want, choice
+            assert {w for w in what if pointwise._recomputes(w)} == want, choice
             monkeypatch.undo()
 
 
