@@ -437,6 +437,71 @@ class _NormLinear(torch.autograd.Function):
                 grad_nb if need[3] else None, grad_w, grad_b, None, None)
 
 
+class _FoldedNormLinear(torch.autograd.Function):
+    """``F.linear(layer_norm(x), weight, bias)`` in ``chunks`` outputs with the norm's affine step folded into
+    the GEMM: ``F.linear(xhat, weight * norm_weight, bias + weight @ norm_bias)``, ``xhat`` the rows
+    normalised without weight and bias (the same function; the rounding differs). Saves ``x`` and its
+    statistics, as :class:`_NormLinear` does.
+
+    The backward takes the norm's weight and bias gradients from the GEMM's weight-sized gradients
+    (``sum_o weight[o] * grad_folded_weight[o]``, ``grad_bias @ weight``) instead of summing over the rows,
+    so what remains of the norm's backward reduces along each row only. The parameters come in their own
+    dtype (float32) and are folded in it before one cast to ``dt``."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, weight, bias, eps, chunks, dt):
+        ct = torch.promote_types(weight.dtype, torch.float32)
+        with autocast_off(x.device.type):
+            xhat, mean, rstd = layer_norm_rows(x, None, None, eps)
+            w = weight.to(ct)
+            folded_w = w * norm_weight.to(ct) if norm_weight is not None else w
+            folded_b = (w * norm_bias.to(ct)).sum(1) if norm_bias is not None else None
+            if bias is not None:
+                folded_b = bias.to(ct) if folded_b is None else folded_b + bias.to(ct)
+            weights = folded_w.to(dt).chunk(chunks)
+            biases = folded_b.to(dt).chunk(chunks) if folded_b is not None else (None,) * chunks
+            m = xhat.to(dt)
+            outs = tuple(F.linear(m, wc, bc) for wc, bc in zip(weights, biases))
+        ctx.save_for_backward(x, mean, rstd, weight, norm_weight, norm_bias, *weights)
+        ctx.eps, ctx.chunks, ctx.dt = eps, chunks, dt
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        x, mean, rstd, weight, norm_weight, norm_bias, *weights = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ct = torch.promote_types(weight.dtype, torch.float32)
+        grads = [torch.zeros(x.shape[0], w.shape[0], dtype=w.dtype, device=w.device) if g is None else g
+                 for g, w in zip(grad_outs, weights)]
+        grad_x = grad_nw = grad_nb = grad_w = grad_b = None
+        with autocast_off(x.device.type):
+            if any(need[1:5]):
+                # The forward's normalised rows, recomputed by the same ops: the same bits.
+                m = ((x.to(torch.promote_types(x.dtype, torch.float32)) - mean) * rstd).to(x.dtype).to(ctx.dt)
+                grad_fw = torch.cat([g.t() @ m for g in grads]).to(ct)  # of the folded weight, (out, C)
+                grad_fb = torch.cat([g.sum(0, dtype=ct) for g in grads])  # of the folded bias, (out,)
+                w = weight.to(ct)
+                if need[1] and norm_weight is not None:
+                    grad_nw = (grad_fw * w).sum(0).to(norm_weight.dtype)
+                if need[2] and norm_bias is not None:
+                    grad_nb = (grad_fb[:, None] * w).sum(0).to(norm_bias.dtype)
+                if need[3]:
+                    grad_w = grad_fw * norm_weight.to(ct) if norm_weight is not None else grad_fw
+                    if norm_bias is not None:
+                        grad_w = grad_w + grad_fb[:, None] * norm_bias.to(ct)
+                    grad_w = grad_w.to(weight.dtype)
+                if need[4] and ctx.bias_dtype is not None:
+                    grad_b = grad_fb.to(ctx.bias_dtype)
+            if need[0]:
+                grad_n = None  # summed over the chunks in x's dtype, as _NormLinear does
+                for g, wc in zip(grads, weights):
+                    gn = (g @ wc).to(x.dtype)
+                    grad_n = gn if grad_n is None else grad_n + gn
+                grad_x = layer_norm_rows_backward(grad_n, x, mean, rstd, None, [True, False, False])[0]
+        return grad_x, grad_nw, grad_nb, grad_w, grad_b, None, None, None
+
+
 def _float_affine(x, norm_weight, norm_bias) -> bool:
     """Whether the norm's parameters are not in ``x.dtype`` (float32 parameters under ``torch.compile``:
     :func:`~gspn2.layers.layer_norm_rows` and its backward instead of ATen's one-dtype ops)."""
@@ -505,6 +570,8 @@ def norm_linear(
         )
     if _recomputes("gate" if gate is not None else "norm"):
         return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt)
+    if gate is None and _options.current().norm_affine == "weight":
+        return list(_FoldedNormLinear.apply(x, norm_weight, norm_bias, weight, bias, eps, chunks, dt))
     nw, nb = _norm_params(x, norm_weight, norm_bias)
     outs = _NormLinear.apply(
         x,

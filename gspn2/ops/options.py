@@ -57,6 +57,12 @@ environment         option                               values
                                                          ``norm_linear``'s GEMMs (the recomputed
                                                          chains' backward is autograd's, so
                                                          ``norm_backward`` does not apply)
+``GSPN2_NORM_``     ``norm_affine``: where the training  ``auto`` / ``rows``: on the normalised rows
+``AFFINE``          formulation applies the weight and   (their gradients are sums over the rows);
+                    bias of a LayerNorm that feeds a     ``weight``: folded into the GEMM's weight and
+                    GEMM without a gate (``in_proj``,    bias (their gradients come from the GEMM's
+                    ``fc1``)                             weight-sized gradients; the norm's backward
+                                                         reduces along rows only)
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
@@ -93,6 +99,7 @@ __all__ = [
     "KERNEL_ENV",
     "MERGE_ENV",
     "MLP_ENV",
+    "NORM_AFFINE_ENV",
     "NORM_BACKWARD_ENV",
     "SMALL_GEMM_ENV",
     "RECOMPUTE_ENV",
@@ -113,6 +120,7 @@ DWCONV_KERNEL_ENV = "GSPN2_DWCONV_KERNEL"
 MERGE_ENV = "GSPN2_MERGE"
 MLP_ENV = "GSPN2_MLP"
 NORM_BACKWARD_ENV = "GSPN2_NORM_BACKWARD"
+NORM_AFFINE_ENV = "GSPN2_NORM_AFFINE"
 EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 LAYER_NORM_ENV = "GSPN2_LAYER_NORM"
 SMALL_GEMM_ENV = "GSPN2_SMALL_GEMM"
@@ -135,6 +143,7 @@ _CHOICES = {
     "merge": FORMULATIONS,
     "mlp": FORMULATIONS,
     "norm_backward": FORMULATIONS,
+    "norm_affine": ("auto", "rows", "weight"),
     "eager_autograd": ("auto", "python"),
     "layer_norm": ("auto", "cuda", "aten"),
     "small_gemm": ("auto", "gemm", "pointwise"),
@@ -149,6 +158,7 @@ _ENV = {
     "merge": MERGE_ENV,
     "mlp": MLP_ENV,
     "norm_backward": NORM_BACKWARD_ENV,
+    "norm_affine": NORM_AFFINE_ENV,
     "eager_autograd": EAGER_AUTOGRAD_ENV,
     "layer_norm": LAYER_NORM_ENV,
     "small_gemm": SMALL_GEMM_ENV,
@@ -169,6 +179,7 @@ class Options:
     merge: str = "auto"
     mlp: str = "auto"
     norm_backward: str = "auto"
+    norm_affine: str = "auto"
     eager_autograd: str = "auto"
     layer_norm: str = "auto"
     small_gemm: str = "auto"

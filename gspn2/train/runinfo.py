@@ -40,6 +40,7 @@ def backend_info(device: torch.device) -> dict[str, object]:
         "merge": current().merge,
         "mlp": current().mlp,
         "norm_backward": current().norm_backward,
+        "norm_affine": current().norm_affine,
         "eager_autograd": current().eager_autograd,
         "layer_norm": current().layer_norm,
         "small_gemm": current().small_gemm,
@@ -57,6 +58,7 @@ def describe(info: dict[str, object]) -> str:
         f"gspn2 op: {info['op']} (GSPN2_BACKEND={info['op_backend']}{family}), "
         f"depthwise conv: GSPN2_DWCONV={info['dwconv_backend']}, GSPN2_MERGE={info['merge']}, "
         f"GSPN2_MLP={info['mlp']}, GSPN2_NORM_BACKWARD={info['norm_backward']}, "
+        f"GSPN2_NORM_AFFINE={info['norm_affine']}, "
         f"GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
         f"GSPN2_LAYER_NORM={info['layer_norm']}, GSPN2_SMALL_GEMM={info['small_gemm']}, "
         f"GSPN2_RECOMPUTE={info['recompute']}, extension built: {info['extension_built']}"

@@ -497,3 +497,50 @@ def test_recompute_all_norm_linear_chunks_and_gate(chunks, gated, choice):
     assert len(results[choice]) == len(results["keep"]) == chunks + (6 if gated else 5)
     for got, want in zip(results[choice], results["keep"]):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_norm_affine_folded_into_the_gemm_is_the_same_function():
+    """``norm_affine="weight"``: ``linear(layer_norm(x))`` with the norm's weight and bias folded into the GEMM's
+    (no gate: in_proj in two chunks, fc1 in one). float64 gradients of every input, with and without the
+    norm's parameters and the bias; values and gradients of the rows formulation to float64 rounding; under
+    bf16 autocast, compiled (aot_eager), within bf16 rounding of the rows formulation."""
+    g = torch.Generator().manual_seed(6)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    x, nw, nb, w, b = r(7, 6), r(6), r(6), r(4, 6), r(4)
+    with options.override(eager_autograd="python", norm_affine="weight"):
+        for args in [(x, nw, nb, 1e-6, w, b, 2), (x, nw, nb, 1e-6, w, None, 1), (x, None, None, 1e-6, w, b, 1),
+                     (x, nw, None, 1e-6, w, b, 2)]:
+            assert torch.autograd.gradcheck(lambda *a: norm_linear(*a), args)
+    cot = [torch.randn(7, 2, generator=g, dtype=torch.float64) for _ in range(2)]
+    res = {}
+    for mode in ("rows", "weight"):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, nw, nb, w, b)]
+        with options.override(eager_autograd="python", norm_affine=mode):
+            outs = norm_linear(leaves[0], leaves[1], leaves[2], 1e-6, leaves[3], leaves[4], 2)
+        torch.autograd.backward(outs, cot)
+        res[mode] = [o.detach() for o in outs] + [t.grad for t in leaves]
+    for got, want in zip(res["weight"], res["rows"]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    N, C, out = 48, 16, 24
+    tensors = [torch.randn(*s, generator=g) for s in ((N, C), (C,), (C,), (out, C), (out,))]
+
+    def fn(x, nw, nb, w, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return norm_linear(x, nw, nb, 1e-6, w, b, 2)
+
+    results = {}
+    for mode in ("rows", "weight"):
+        leaves = [(t * 1.0).requires_grad_() for t in tensors]
+        with options.override(norm_affine=mode, eager_autograd="python"):
+            torch._dynamo.reset()
+            outs = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
+        sum(o.float().square().sum() for o in outs).backward()
+        assert all(o.dtype == torch.bfloat16 for o in outs)
+        results[mode] = [o.detach().float() for o in outs] + [t.grad for t in leaves]
+        assert [t.dtype for t in results[mode][2:]] == [torch.float32] * 5
+    for got, want in zip(results["weight"], results["rows"]):  # bf16 rounding of the tensor's largest values
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
