@@ -219,6 +219,8 @@ _KERNEL_DEF = re.compile(
 )
 _NUM_GB = re.compile(r"'kernel_num_gb': ([0-9.eE+-]+)")
 _EXTERN = re.compile(r"\b(extern_kernels\.\w+|torch\.ops\.\w+\.\w+)(?:\.default)?\(")
+#: A sum over a buffer's rows in the wrapper itself (ATen): how a mix-order reduction adds its partial rows.
+_WRAPPER_SUM = re.compile(r"\.sum\(dim=")
 
 
 def wrapper_calls(code: str) -> dict:
@@ -232,7 +234,11 @@ def wrapper_calls(code: str) -> dict:
         gb[m.group(1)] = float(found.group(1)) if found else 0.0
     launches = Counter(re.findall(r"\b(triton_\w+)\.run\(", call))
     kernels = {k: {"launches": n, "gb": gb.get(k, 0.0) * n} for k, n in launches.items()}
-    return {"kernels": kernels, "other": dict(Counter(_EXTERN.findall(call)))}
+    other = Counter(_EXTERN.findall(call))
+    sums = sum(len(_WRAPPER_SUM.findall(line)) for line in call.splitlines() if not line.lstrip().startswith("#"))
+    if sums:
+        other["aten.sum (wrapper)"] = sums
+    return {"kernels": kernels, "other": dict(other)}
 
 
 def compile_offline(name: str, task: str, resolution: int, batch: int, code_dir: Path | None = None) -> dict:

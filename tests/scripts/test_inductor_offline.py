@@ -73,12 +73,14 @@ def test_wrapper_calls_counts_each_launch_with_its_kernels_bytes():
         "        triton_poi_a_0.run(buf1, stream=s)",
         "        triton_per_b_1.run(buf1, stream=s)",
         "        torch.ops.gspn2.propagate.default(buf1, buf2, buf3, None, 'auto')",
+        "        # buf9 = ws[0:8].view(2, 4).sum(dim=0)  (a comment: not a call)",
+        "        buf4 = ws[0 * (2) * (4) : (0 + 1) * (2) * (4)].view(2, 4).sum(dim=0).view([4])",
     ])
     with script_module("inductor_offline") as tool:
         calls = tool.wrapper_calls(code)
     assert calls["kernels"] == {"triton_poi_a_0": {"launches": 2, "gb": 1.0},
                                 "triton_per_b_1": {"launches": 1, "gb": 2e-3}}
-    assert calls["other"] == {"extern_kernels.mm": 1, "torch.ops.gspn2.propagate": 1}
+    assert calls["other"] == {"extern_kernels.mm": 1, "torch.ops.gspn2.propagate": 1, "aten.sum (wrapper)": 1}
 
 
 def test_bad_arguments_are_refused_before_anything_is_built(capsys):
