@@ -235,7 +235,8 @@ def wrapper_calls(code: str) -> dict:
     launches = Counter(re.findall(r"\b(triton_\w+)\.run\(", call))
     kernels = {k: {"launches": n, "gb": gb.get(k, 0.0) * n} for k, n in launches.items()}
     other = Counter(_EXTERN.findall(call))
-    sums = sum(len(_WRAPPER_SUM.findall(line)) for line in call.splitlines() if not line.lstrip().startswith("#"))
+    lines = [line for line in call.splitlines() if not line.lstrip().startswith("#")]
+    sums = sum(len(_WRAPPER_SUM.findall(line)) for line in lines)
     if sums:
         other["aten.sum (wrapper)"] = sums
     return {"kernels": kernels, "other": dict(other)}

@@ -555,7 +555,8 @@ def norm_linear(
     ``gspn2::rows_norm_linear`` computes it (module docstring). Under ``torch.compile`` with the option
     ``recompute="all"`` it is plain ops whose GEMM inputs (the normalised, gated ``x``) are recomputed in
     backward whatever AOTAutograd's partitioner would keep. Otherwise, without a gate and with the option
-    ``norm_affine="weight"``, the norm's weight and bias are folded into the GEMM's (:class:`_FoldedNormLinear`).
+    ``norm_affine="weight"``, the norm's weight and bias are folded into the GEMM's
+    (:class:`_FoldedNormLinear`).
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
     None, ``gate (N, C)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.

@@ -323,7 +323,8 @@ class GSPN2Mixer(nn.Module):
         v_rows, z_rows = norm_linear(to_rows(x), norm[0], norm[1], norm[2], w, b, chunks=2, gate=None)
         # SiLU as its own op, as depthwise_conv(silu=True) runs it where autograd records; the compiled
         # backward may recompute it (options.recompute).
-        v = recomputed_silu(depthwise_conv(from_rows(v_rows, B, H, W), self.conv_dw.weight, self.conv_dw.bias))
+        a = depthwise_conv(from_rows(v_rows, B, H, W), self.conv_dw.weight, self.conv_dw.bias)
+        v = recomputed_silu(a)
         v_rows = to_rows(v)
         g = rows_linear(v_rows, self.generate.weight.flatten(1), self.generate.bias)
         xp, lam, u, gates = from_rows(g, B, H, W).split(self.split_sizes, dim=1)

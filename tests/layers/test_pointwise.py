@@ -500,10 +500,10 @@ def test_recompute_all_norm_linear_chunks_and_gate(chunks, gated, choice):
 
 
 def test_norm_affine_folded_into_the_gemm_is_the_same_function():
-    """``norm_affine="weight"``: ``linear(layer_norm(x))`` with the norm's weight and bias folded into the GEMM's
-    (no gate: in_proj in two chunks, fc1 in one). float64 gradients of every input, with and without the
-    norm's parameters and the bias; values and gradients of the rows formulation to float64 rounding; under
-    bf16 autocast, compiled (aot_eager), within bf16 rounding of the rows formulation."""
+    """``norm_affine="weight"``: ``linear(layer_norm(x))`` with the norm's weight and bias folded into the
+    GEMM's (no gate: in_proj in two chunks, fc1 in one). float64 gradients of every input, with and without
+    the norm's parameters and the bias; values and gradients of the rows formulation to float64 rounding;
+    under bf16 autocast, compiled (aot_eager), within bf16 rounding of the rows formulation."""
     g = torch.Generator().manual_seed(6)
 
     def r(*shape):
@@ -511,8 +511,9 @@ def test_norm_affine_folded_into_the_gemm_is_the_same_function():
 
     x, nw, nb, w, b = r(7, 6), r(6), r(6), r(4, 6), r(4)
     with options.override(eager_autograd="python", norm_affine="weight"):
-        for args in [(x, nw, nb, 1e-6, w, b, 2), (x, nw, nb, 1e-6, w, None, 1), (x, None, None, 1e-6, w, b, 1),
-                     (x, nw, None, 1e-6, w, b, 2)]:
+        cases = [(x, nw, nb, 1e-6, w, b, 2), (x, nw, nb, 1e-6, w, None, 1), (x, None, None, 1e-6, w, b, 1),
+                 (x, nw, None, 1e-6, w, b, 2)]
+        for args in cases:
             assert torch.autograd.gradcheck(lambda *a: norm_linear(*a), args)
     cot = [torch.randn(7, 2, generator=g, dtype=torch.float64) for _ in range(2)]
     res = {}
