@@ -94,23 +94,31 @@ def test_compile_fullgraph_forward_backward(channels_last, no_tf32):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("recompute", ["gelu", "gate", "all"])
-def test_compiled_training_recomputing_gemm_inputs_matches_the_default(recompute):
-    """The option ``recompute`` (GEMM inputs recomputed in the compiled backward) trains the same function:
-    gspn2_micro's compiled bf16 step, loss and every parameter gradient against ``recompute="keep"``."""
+@pytest.mark.parametrize(
+    "setting",
+    [{"recompute": "gelu"}, {"recompute": "act"}, {"recompute": "gate"}, {"recompute": "all"},
+     {"norm_affine": "weight"}],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_compiled_training_formulation_options_match_the_default(setting):
+    """The options that change the compiled training formulation but not its function (``recompute``: GEMM
+    inputs recomputed in the compiled backward; ``norm_affine``: the norms' weight and bias folded into the
+    GEMMs) train the same function: gspn2_micro's compiled bf16 step, loss and every parameter gradient
+    against ``recompute="keep"``, ``norm_affine="rows"``."""
     x = torch.randn(8, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last)
-    results = {}
-    for choice in ("keep", recompute):
+    base = {"recompute": "keep", "norm_affine": "rows"}
+    results = []
+    for choice in (base, {**base, **setting}):
         torch.manual_seed(0)
         model = timm.create_model("gspn2_micro", num_classes=10).cuda().to(memory_format=torch.channels_last)
-        with options.override(recompute=choice):
+        with options.override(**choice):
             torch._dynamo.reset()
             compiled = torch.compile(model, fullgraph=True)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = compiled(x).float().square().mean()
         loss.backward()
-        results[choice] = [loss.detach()] + [p.grad for p in model.parameters()]
-    for got, want in zip(results[recompute], results["keep"]):
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-3)
 
 
