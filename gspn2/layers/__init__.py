@@ -16,6 +16,7 @@ from gspn2.layers.pointwise import (
     gelu_linear,
     norm_linear,
     recomputed_silu,
+    residual_in_gemm,
     rows_linear,
     to_rows,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "layer_norm_last_dim",
     "norm_linear",
     "recomputed_silu",
+    "residual_in_gemm",
     "rows_linear",
     "to_rows",
 ]

@@ -43,7 +43,7 @@ from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
 __all__ = [
     "POINTWISE_MAX_IN", "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows",
-    "gelu_linear", "norm_linear", "recomputed_silu", "rows_linear", "to_rows",
+    "gelu_linear", "norm_linear", "recomputed_silu", "residual_in_gemm", "rows_linear", "to_rows",
 ]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
@@ -229,6 +229,43 @@ def recomputed_silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
 
 
+#: Input columns a GEMM with the residual as its input matrix appends for its bias: a column of ones, then
+#: zeros, so that 16-bit rows stay 16-byte aligned (:func:`residual_in_gemm`).
+_BIAS_COLUMNS = 8
+
+
+def residual_in_gemm() -> bool:
+    """Whether the blocks' residual sums go into the GEMM before them (``torch.addmm(x, m, weight.t())``)
+    instead of a kernel of their own: under ``torch.compile`` with the option ``residual="gemm"``
+    (:mod:`gspn2.ops.options`)."""
+    return torch.compiler.is_compiling() and _options.current().residual == "gemm"
+
+
+def _with_ones(m: torch.Tensor) -> torch.Tensor:
+    """``(N, K) -> (N, K + 8)``: ``m``, a column of ones and seven of zeros (the bias's input column)."""
+    col = (torch.arange(_BIAS_COLUMNS, device=m.device) == 0).to(m.dtype)
+    return torch.cat([m, col.expand(m.shape[0], _BIAS_COLUMNS)], dim=1)
+
+
+def _with_bias(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``(out, K), (out,) -> (out, K + 8)``: ``weight``, the bias and seven zero columns (for :func:`_with_ones`
+    inputs)."""
+    zeros = weight.new_zeros(weight.shape[0], _BIAS_COLUMNS - 1)
+    return torch.cat([weight, bias[:, None].to(weight.dtype), zeros], dim=1)
+
+
+def _residual_linear(residual: torch.Tensor, m: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor], m_has_ones: bool = False) -> torch.Tensor:
+    """``residual + F.linear(m, weight, bias)`` as one ``addmm`` (the residual is its input matrix, the bias
+    a GEMM input column: ``m`` comes from :func:`_with_ones` when ``m_has_ones``, else it is appended here).
+    A residual of another dtype than the GEMM's is added to its output instead (as ``+`` would promote)."""
+    if residual.dtype != m.dtype:
+        return residual + F.linear(m[:, : weight.shape[1]] if m_has_ones else m, weight, bias)
+    if bias is None:
+        return torch.addmm(residual, m[:, : weight.shape[1]] if m_has_ones else m, weight.t())
+    return torch.addmm(residual, m if m_has_ones else _with_ones(m), _with_bias(weight, bias).t())
+
+
 class _GeluLinear(torch.autograd.Function):
     """``F.linear(F.gelu(h), weight, bias)`` saving ``h`` only; ``gelu(h)`` is recomputed in backward."""
 
@@ -257,8 +294,11 @@ class _GeluLinear(torch.autograd.Function):
 # blocks never reach (gspn2.layers._trace). The stubs keep no defaults: scripted callers pass every
 # argument.
 @torch.jit.unused
-def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(F.gelu(h), weight, bias)`` that keeps only ``h`` for backward (not also ``gelu(h)``).
+def gelu_linear(
+    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``F.linear(F.gelu(h), weight, bias) [+ residual]`` that keeps only ``h`` for backward (not also
+    ``gelu(h)``).
 
     Computed in ``h.dtype`` (under autocast ``h`` is already the autocast dtype): ``weight`` and ``bias``
     are cast to it, and their gradients come back in their own dtypes, as they would through autocast.
@@ -267,9 +307,18 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     autograd function of plain ops (GELU its own kernel), which eagerly is the C++ op
     ``gspn2::rows_gelu_linear`` (module docstring). Under ``torch.compile`` the option ``recompute`` (``gelu``
     or ``all``) has ``gelu(h)`` recomputed in backward whatever AOTAutograd's partitioner would keep.
+    ``residual`` (only while :func:`residual_in_gemm`) is the GEMM's input matrix (``torch.addmm``).
 
-    Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
+    Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None, ``residual (N, out)`` or None
+    ``-> (N, out)``.
     """
+    if residual is not None:
+        _check_residual(residual, h, weight)
+        w, b = weight.to(h.dtype), _cast(bias, h.dtype)
+        gelu = _gelu_with_ones if b is not None else F.gelu
+        with autocast_off(h.device.type):
+            m = _recomputed(gelu, h) if _recomputes("gelu") else gelu(h)
+            return _residual_linear(residual, m, w, b, m_has_ones=True)
     if _options.current().mlp == "fused":
         return _gelu_linear_op(h, weight.to(h.dtype), _cast(bias, h.dtype))
     if _use_cpp():
@@ -278,6 +327,20 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         with autocast_off(h.device.type):
             return F.linear(_recomputed(F.gelu, h), weight.to(h.dtype), _cast(bias, h.dtype))
     return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
+
+
+def _gelu_with_ones(h: torch.Tensor) -> torch.Tensor:
+    return _with_ones(F.gelu(h))
+
+
+def _check_residual(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """A residual for a GEMM's input matrix: only under :func:`residual_in_gemm`, ``(N, out)``."""
+    if not residual_in_gemm():
+        raise ValueError("`residual` is taken only under torch.compile with the option residual='gemm'")
+    if residual.shape != (x.shape[0], weight.shape[0]):
+        raise ValueError(
+            f"`residual` must have shape {(x.shape[0], weight.shape[0])} (rows, outputs), got {tuple(residual.shape)}"
+        )
 
 
 class _RowsLinear(torch.autograd.Function):
@@ -354,7 +417,7 @@ class _NormLinear(torch.autograd.Function):
     :func:`~gspn2.ops.norm_gate_backward`."""
 
     @staticmethod
-    def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks):
+    def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, residual):
         ctx.norm_kernel = _use_layer_norm_kernel(x)
         with autocast_off(x.device.type):
             n, mean, rstd = _row_norm(x, norm_weight, norm_bias, eps, ctx.norm_kernel)
@@ -365,9 +428,13 @@ class _NormLinear(torch.autograd.Function):
             # does not split it again.
             weights = weight.chunk(chunks) if chunks > 1 else (weight,)
             biases = (bias.chunk(chunks) if chunks > 1 else (bias,)) if bias is not None else (None,) * chunks
-            outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
+            if residual is not None:  # one chunk
+                outs = (_residual_linear(residual, m, weight, bias),)
+            else:
+                outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
         ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, *weights)
         ctx.eps, ctx.chunks, ctx.has_bias = eps, chunks, bias is not None
+        ctx.residual = residual is not None
         return outs
 
     @staticmethod
@@ -381,15 +448,21 @@ class _NormLinear(torch.autograd.Function):
         if (gate is not None and ctx.chunks == 1 and norm_weight is not None and norm_bias is not None
                 and _fused_norm_backward(x)):
             return _NormLinear._fused_backward(ctx, grads[0], x, gate, norm_weight, norm_bias, mean, rstd, weight)
+        # The residual's gradient is the output's.
+        grad_res = grads[0] if ctx.residual and need[8] else None
         with autocast_off(x.device.type):
             # The same kernel on the same input as in forward: bitwise the forward's normalised x.
             n = _row_norm(x, norm_weight, norm_bias, ctx.eps, ctx.norm_kernel)[0]
             m0 = n.to(weight.dtype)
             s = F.silu(gate) if gate is not None else None
-            if need[4]:
+            if ctx.residual and ctx.has_bias and (need[4] or need[5]):
+                # The forward's GEMM had the bias as an input column: both gradients from one GEMM.
+                grad_wb = grads[0].t() @ _with_ones(m0 * s if s is not None else m0)
+                grad_w, grad_b = grad_wb[:, : weight.shape[1]], grad_wb[:, weight.shape[1]]
+            elif need[4]:
                 m = m0 * s if s is not None else m0
                 grad_w = torch.cat([g.t() @ m for g in grads]) if ctx.chunks > 1 else grads[0].t() @ m
-            if ctx.has_bias and need[5]:
+            if ctx.has_bias and need[5] and not ctx.residual:
                 grad_b = torch.cat([g.sum(0) for g in grads]) if ctx.chunks > 1 else grads[0].sum(0)
             if need[0] or need[1] or need[2] or need[3]:
                 # The chunks' input gradients are summed in x's dtype, as autograd sums the gradients of
@@ -418,7 +491,7 @@ class _NormLinear(torch.autograd.Function):
                         grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
                             grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
                         )
-        return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None
+        return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None, grad_res
 
     @staticmethod
     def _fused_backward(ctx, grad_out, x, gate, norm_weight, norm_bias, mean, rstd, weight):
@@ -434,7 +507,8 @@ class _NormLinear(torch.autograd.Function):
             grad_w = grad_out.t() @ m if need[4] else None
             grad_b = grad_out.sum(0) if ctx.has_bias and need[5] else None
         return (grad_x if need[0] else None, grad_gate if need[1] else None, grad_nw if need[2] else None,
-                grad_nb if need[3] else None, grad_w, grad_b, None, None)
+                grad_nb if need[3] else None, grad_w, grad_b, None, None,
+                grad_out if ctx.residual and need[8] else None)
 
 
 class _FoldedNormLinear(torch.autograd.Function):
@@ -543,8 +617,10 @@ def norm_linear(
     bias: Optional[torch.Tensor],
     chunks: int = 1,
     gate: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
-    """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1)``, keeping only ``x``
+    """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1) [+ residual]``, keeping
+    only ``x``
     (with the norm's per-row statistics) and ``gate`` for backward.
 
     A LayerNorm followed by a GEMM saves both the norm's input and its output (the GEMM's input); this
@@ -556,13 +632,18 @@ def norm_linear(
     ``recompute="all"`` it is plain ops whose GEMM inputs (the normalised, gated ``x``) are recomputed in
     backward whatever AOTAutograd's partitioner would keep. Otherwise, without a gate and with the option
     ``norm_affine="weight"``, the norm's weight and bias are folded into the GEMM's
-    (:class:`_FoldedNormLinear`).
+    (:class:`_FoldedNormLinear`). ``residual`` (one chunk, only while :func:`residual_in_gemm`) is the
+    GEMM's input matrix (``torch.addmm``).
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
-    None, ``gate (N, C)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.
+    None, ``gate (N, C)`` or None, ``residual (N, out)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or weight.shape[0] % chunks != 0:
         raise ValueError(f"`chunks` must be a positive int dividing {weight.shape[0]} outputs, got {chunks!r}")
+    if residual is not None:
+        if chunks != 1:
+            raise ValueError(f"`residual` takes one chunk, got chunks={chunks}")
+        _check_residual(residual, x, weight)
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
@@ -571,8 +652,8 @@ def norm_linear(
             x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt, _use_layer_norm_kernel(x)
         )
     if _recomputes("gate" if gate is not None else "norm"):
-        return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt)
-    if gate is None and _options.current().norm_affine == "weight":
+        return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual)
+    if gate is None and residual is None and _options.current().norm_affine == "weight":
         return list(_FoldedNormLinear.apply(x, norm_weight, norm_bias, weight, bias, eps, chunks, dt))
     nw, nb = _norm_params(x, norm_weight, norm_bias)
     outs = _NormLinear.apply(
@@ -584,12 +665,13 @@ def norm_linear(
         _cast(bias, dt),
         eps,
         chunks,
+        residual,
     )
     return list(outs)
 
 
 def _norm_gate(
-    x, gate, norm_weight, norm_bias, eps: float, dt: torch.dtype, chunks: int
+    x, gate, norm_weight, norm_bias, eps: float, dt: torch.dtype, chunks: int, ones: bool = False
 ) -> Tuple[torch.Tensor, ...]:
     """The GEMM input of :class:`_NormLinear`, computed as its forward computes it: ``layer_norm(x)`` in
     ``x.dtype``, cast to ``dt``, times ``silu(gate)`` when there is a gate; once per chunk (a cast each, so
@@ -600,17 +682,22 @@ def _norm_gate(
         else:
             n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
         s = F.silu(gate) if gate is not None else None
-        return tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
+        ms = tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
+        return tuple(_with_ones(m) for m in ms) if ones else ms
 
 
 def _norm_linear_recomputed(
-    x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt
+    x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual=None
 ) -> List[torch.Tensor]:
     """:func:`norm_linear` as plain ops for ``torch.compile`` with the GEMM inputs (the normalised, gated
     ``x``) marked for recomputation in backward (:func:`_recomputed`)."""
     nw, nb = _norm_params(x, norm_weight, norm_bias)
-    ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks)
+    ones = residual is not None and bias is not None
+    ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks, ones)
     w, b = weight.to(dt), _cast(bias, dt)
+    if residual is not None:
+        with autocast_off(x.device.type):
+            return [_residual_linear(residual, ms[0], w, b, m_has_ones=ones)]
     biases = b.chunk(chunks) if b is not None else (None,) * chunks
     with autocast_off(x.device.type):
         return [F.linear(m, wc, bc) for m, wc, bc in zip(ms, w.chunk(chunks), biases)]

@@ -58,6 +58,7 @@ from gspn2.layers import (
     from_rows,
     norm_linear,
     recomputed_silu,
+    residual_in_gemm,
     rows_linear,
     to_rows,
 )
@@ -268,18 +269,23 @@ class GSPN2Mixer(nn.Module):
         self.norm = LayerNorm2d(hidden)
         self.out_proj = Conv1x1(hidden, dim)
 
-    def forward(self, x: torch.Tensor, norm: Optional[NormParams] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: Optional[NormParams] = None, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling its modules.
 
         With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the mixer of the
-        normalised ``x`` in the training formulation (:meth:`forward_fused`).
+        normalised ``x`` in the training formulation (:meth:`forward_fused`), and with ``residual`` (only
+        under :func:`~gspn2.layers.residual_in_gemm`) ``residual + mixer`` from ``out_proj``'s GEMM.
 
         1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of its
         own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul`` and the
         LayerNorm stays in the activation dtype.
         """
         if norm is not None:
-            return self.forward_fused(x, norm)
+            return self.forward_fused(x, norm, residual)
+        if residual is not None:
+            raise ValueError("`residual` goes with `norm` (the training formulation)")
         P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
         v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
         v = depthwise_conv(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
@@ -302,7 +308,9 @@ class GSPN2Mixer(nn.Module):
         return propagate(xp.contiguous(), lam, gates, self.chunk)
 
     @torch.jit.unused
-    def forward_fused(self, x: torch.Tensor, norm: NormParams) -> torch.Tensor:
+    def forward_fused(
+        self, x: torch.Tensor, norm: NormParams, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The mixer of ``LayerNorm(x)`` (``norm``: its ``(weight, bias, eps)``) in the training formulation.
 
         The norm and ``in_proj``, and the output gate ``self.norm(y) * silu(z)`` and ``out_proj``, are each one
@@ -337,9 +345,13 @@ class GSPN2Mixer(nn.Module):
                 uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip, self.norm.weight,
                 self.norm.bias, self.norm.eps, z_rows,
             )
-            return from_rows(rows_linear(m, w, b), B, H, W)
+            out = from_rows(rows_linear(m, w, b), B, H, W)
+            return out if residual is None else residual + out
         y = rows_linear(uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
-        (out,) = norm_linear(y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows)
+        res = to_rows(residual) if residual is not None else None
+        (out,) = norm_linear(
+            y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows, residual=res
+        )
         return from_rows(out, B, H, W)
 
 
@@ -401,6 +413,11 @@ class GSPN2Block(nn.Module):
         otherwise, and while a graph recorder runs (:mod:`gspn2.layers._trace`), every module is called.
         """
         x = self.lpu1(x)
+        if fused_training() and residual_in_gemm() and self._plain_residuals():
+            # The residual sums in the GEMMs that end the branches.
+            x = self.mixer(x, (self.norm1.weight, self.norm1.bias, self.norm1.eps), residual=x)
+            x = self.lpu2(x)
+            return self.mlp(x, (self.norm2.weight, self.norm2.bias, self.norm2.eps), residual=x)
         if fused_training():
             norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
             x = x + self.drop_path1(self.ls1(self.mixer(x, norm1)))
@@ -410,6 +427,14 @@ class GSPN2Block(nn.Module):
         x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x))))
         x = self.lpu2(x)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+    def _plain_residuals(self) -> bool:
+        """Whether both branches end in a plain sum (no LayerScale, no stochastic depth in this call)."""
+        return all(
+            isinstance(m, nn.Identity) or (isinstance(m, DropPath) and (not self.training or m.drop_prob == 0.0))
+            for m in (self.ls1, self.drop_path1, self.ls2, self.drop_path2)
+        )
 
 
 class GSPN2Stage(nn.Module):
