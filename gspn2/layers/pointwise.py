@@ -241,10 +241,18 @@ def residual_in_gemm() -> bool:
     return torch.compiler.is_compiling() and _options.current().residual == "gemm"
 
 
-def _with_ones(m: torch.Tensor) -> torch.Tensor:
-    """``(N, K) -> (N, K + 8)``: ``m``, a column of ones and seven of zeros (the bias's input column)."""
+def _with_ones(m: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``(N, K) -> (N, K + 8)``: ``m``, a column of ones and seven of zeros (the bias's input column); with
+    ``scale``, one factor per sample ``(B,)``, each sample's ``N / B`` rows times its factor."""
     col = (torch.arange(_BIAS_COLUMNS, device=m.device) == 0).to(m.dtype)
-    return torch.cat([m, col.expand(m.shape[0], _BIAS_COLUMNS)], dim=1)
+    return _scale_rows(torch.cat([m, col.expand(m.shape[0], _BIAS_COLUMNS)], dim=1), scale)
+
+
+def _scale_rows(m: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``m (N, K)`` with each sample's ``N / B`` consecutive rows times its factor of ``scale (B,)``."""
+    if scale is None:
+        return m
+    return (m.view(scale.shape[0], -1, m.shape[1]) * scale.view(-1, 1, 1)).view(m.shape)
 
 
 def _with_bias(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -255,15 +263,12 @@ def _with_bias(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def _residual_linear(residual: torch.Tensor, m: torch.Tensor, weight: torch.Tensor,
-                     bias: Optional[torch.Tensor], m_has_ones: bool = False) -> torch.Tensor:
-    """``residual + F.linear(m, weight, bias)`` as one ``addmm`` (the residual is its input matrix, the bias
-    a GEMM input column: ``m`` comes from :func:`_with_ones` when ``m_has_ones``, else it is appended here).
-    A residual of another dtype than the GEMM's is added to its output instead (as ``+`` would promote)."""
-    if residual.dtype != m.dtype:
-        return residual + F.linear(m[:, : weight.shape[1]] if m_has_ones else m, weight, bias)
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``residual + F.linear(m, weight, bias)`` as one ``addmm``: the residual is its input matrix and, with a
+    bias, ``m`` has the bias's input columns (:func:`_with_ones`, its sample factors applied)."""
     if bias is None:
-        return torch.addmm(residual, m[:, : weight.shape[1]] if m_has_ones else m, weight.t())
-    return torch.addmm(residual, m if m_has_ones else _with_ones(m), _with_bias(weight, bias).t())
+        return torch.addmm(residual, m, weight.t())
+    return torch.addmm(residual, m, _with_bias(weight, bias).t())
 
 
 class _GeluLinear(torch.autograd.Function):
@@ -295,9 +300,13 @@ class _GeluLinear(torch.autograd.Function):
 # argument.
 @torch.jit.unused
 def gelu_linear(
-    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor] = None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor] = None,
+    residual_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``F.linear(F.gelu(h), weight, bias) [+ residual]`` that keeps only ``h`` for backward (not also
+    """``F.linear(F.gelu(h), weight, bias) [* scale + residual]`` that keeps only ``h`` for backward (not also
     ``gelu(h)``).
 
     Computed in ``h.dtype`` (under autocast ``h`` is already the autocast dtype): ``weight`` and ``bias``
@@ -307,18 +316,24 @@ def gelu_linear(
     autograd function of plain ops (GELU its own kernel), which eagerly is the C++ op
     ``gspn2::rows_gelu_linear`` (module docstring). Under ``torch.compile`` the option ``recompute`` (``gelu``
     or ``all``) has ``gelu(h)`` recomputed in backward whatever AOTAutograd's partitioner would keep.
-    ``residual`` (only while :func:`residual_in_gemm`) is the GEMM's input matrix (``torch.addmm``).
+    With ``residual`` (only while :func:`residual_in_gemm`) the result is ``residual + scale * linear``,
+    ``scale`` (``residual_scale``, optional) a factor per sample (stochastic depth's), applied to the GEMM's
+    input rows; the residual is the GEMM's input matrix (``torch.addmm``) and the bias an input column.
 
-    Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None, ``residual (N, out)`` or None
-    ``-> (N, out)``.
+    Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None, ``residual (N, out)`` or None,
+    ``residual_scale (B,)`` or None (``B`` dividing ``N``) ``-> (N, out)``.
     """
     if residual is not None:
-        _check_residual(residual, h, weight)
+        _check_residual(residual, h, weight, residual_scale)
         w, b = weight.to(h.dtype), _cast(bias, h.dtype)
-        gelu = _gelu_with_ones if b is not None else F.gelu
+        if residual.dtype != h.dtype:  # as ``+`` would promote
+            return residual + _scale_rows(gelu_linear(h, weight, bias), residual_scale)
         with autocast_off(h.device.type):
-            m = _recomputed(gelu, h) if _recomputes("gelu") else gelu(h)
-            return _residual_linear(residual, m, w, b, m_has_ones=True)
+            args = (h, b is not None, residual_scale)
+            m = _recomputed(_gelu_input, *args) if _recomputes("gelu") else _gelu_input(*args)
+            return _residual_linear(residual, m, w, b)
+    if residual_scale is not None:
+        raise ValueError("`residual_scale` goes with `residual`")
     if _options.current().mlp == "fused":
         return _gelu_linear_op(h, weight.to(h.dtype), _cast(bias, h.dtype))
     if _use_cpp():
@@ -329,17 +344,27 @@ def gelu_linear(
     return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
 
 
-def _gelu_with_ones(h: torch.Tensor) -> torch.Tensor:
-    return _with_ones(F.gelu(h))
+def _gelu_input(h: torch.Tensor, ones: bool, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """The input of :func:`gelu_linear`'s GEMM with the residual: ``gelu(h)``, the bias's input columns when
+    ``ones``, the sample factors."""
+    return _with_ones(F.gelu(h), scale) if ones else _scale_rows(F.gelu(h), scale)
 
 
-def _check_residual(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """A residual for a GEMM's input matrix: only under :func:`residual_in_gemm`, ``(N, out)``."""
+def _check_residual(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor]
+) -> None:
+    """A residual for a GEMM's input matrix: only under :func:`residual_in_gemm`, ``(N, out)``; its factors
+    ``(B,)`` with ``B`` dividing ``N``."""
     if not residual_in_gemm():
         raise ValueError("`residual` is taken only under torch.compile with the option residual='gemm'")
     if residual.shape != (x.shape[0], weight.shape[0]):
         raise ValueError(
             f"`residual` must have shape {(x.shape[0], weight.shape[0])} (rows, outputs), got {tuple(residual.shape)}"
+        )
+    if scale is not None and (scale.dim() != 1 or scale.shape[0] == 0 or x.shape[0] % scale.shape[0] != 0):
+        raise ValueError(
+            f"`residual_scale` must be one factor per sample, (B,) with B dividing {x.shape[0]} rows, "
+            f"got {tuple(scale.shape)}"
         )
 
 
@@ -417,7 +442,7 @@ class _NormLinear(torch.autograd.Function):
     :func:`~gspn2.ops.norm_gate_backward`."""
 
     @staticmethod
-    def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, residual):
+    def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, residual, scale):
         ctx.norm_kernel = _use_layer_norm_kernel(x)
         with autocast_off(x.device.type):
             n, mean, rstd = _row_norm(x, norm_weight, norm_bias, eps, ctx.norm_kernel)
@@ -429,17 +454,18 @@ class _NormLinear(torch.autograd.Function):
             weights = weight.chunk(chunks) if chunks > 1 else (weight,)
             biases = (bias.chunk(chunks) if chunks > 1 else (bias,)) if bias is not None else (None,) * chunks
             if residual is not None:  # one chunk
-                outs = (_residual_linear(residual, m, weight, bias),)
+                mm = _with_ones(m, scale) if bias is not None else _scale_rows(m, scale)
+                outs = (_residual_linear(residual, mm, weight, bias),)
             else:
                 outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
-        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, *weights)
+        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, scale, *weights)
         ctx.eps, ctx.chunks, ctx.has_bias = eps, chunks, bias is not None
         ctx.residual = residual is not None
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, gate, norm_weight, norm_bias, mean, rstd, *weights = ctx.saved_tensors
+        x, gate, norm_weight, norm_bias, mean, rstd, scale, *weights = ctx.saved_tensors
         weight = weights[0]  # dtype and device of all chunks
         need = ctx.needs_input_grad
         grad_x = grad_gate = grad_nw = grad_nb = grad_w = grad_b = None
@@ -447,7 +473,9 @@ class _NormLinear(torch.autograd.Function):
                  for g, g_shape in zip(grad_outs, [(x.shape[0], w.shape[0]) for w in weights])]
         if (gate is not None and ctx.chunks == 1 and norm_weight is not None and norm_bias is not None
                 and _fused_norm_backward(x)):
-            return _NormLinear._fused_backward(ctx, grads[0], x, gate, norm_weight, norm_bias, mean, rstd, weight)
+            return _NormLinear._fused_backward(
+                ctx, grads[0], x, gate, norm_weight, norm_bias, mean, rstd, weight, scale
+            )
         # The residual's gradient is the output's.
         grad_res = grads[0] if ctx.residual and need[8] else None
         with autocast_off(x.device.type):
@@ -457,10 +485,10 @@ class _NormLinear(torch.autograd.Function):
             s = F.silu(gate) if gate is not None else None
             if ctx.residual and ctx.has_bias and (need[4] or need[5]):
                 # The forward's GEMM had the bias as an input column: both gradients from one GEMM.
-                grad_wb = grads[0].t() @ _with_ones(m0 * s if s is not None else m0)
+                grad_wb = grads[0].t() @ _with_ones(m0 * s if s is not None else m0, scale)
                 grad_w, grad_b = grad_wb[:, : weight.shape[1]], grad_wb[:, weight.shape[1]]
             elif need[4]:
-                m = m0 * s if s is not None else m0
+                m = _scale_rows(m0 * s if s is not None else m0, scale)
                 grad_w = torch.cat([g.t() @ m for g in grads]) if ctx.chunks > 1 else grads[0].t() @ m
             if ctx.has_bias and need[5] and not ctx.residual:
                 grad_b = torch.cat([g.sum(0) for g in grads]) if ctx.chunks > 1 else grads[0].sum(0)
@@ -469,7 +497,7 @@ class _NormLinear(torch.autograd.Function):
                 # the per-GEMM casts of the unfused path.
                 grad_n = None
                 for g, w in zip(grads, weights):
-                    grad_m = g @ w
+                    grad_m = _scale_rows(g @ w, scale)
                     if s is not None:
                         if need[1]:  # the gate multiplies every chunk's input: sum over chunks
                             gg = torch.ops.aten.silu_backward(grad_m * m0, gate)
@@ -491,24 +519,24 @@ class _NormLinear(torch.autograd.Function):
                         grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
                             grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
                         )
-        return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None, grad_res
+        return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None, grad_res, None
 
     @staticmethod
-    def _fused_backward(ctx, grad_out, x, gate, norm_weight, norm_bias, mean, rstd, weight):
+    def _fused_backward(ctx, grad_out, x, gate, norm_weight, norm_bias, mean, rstd, weight, scale):
         """The gated norm's backward as one :func:`~gspn2.ops.norm_gate_backward` between the two GEMMs: the
         input gradient of the GEMM, then the op (which also recomputes the GEMM's input for its weight
         gradient)."""
         need = ctx.needs_input_grad
         with autocast_off(x.device.type):
-            grad_m = grad_out @ weight
+            grad_m = _scale_rows(grad_out @ weight, scale)
             grad_x, grad_gate, grad_nw, grad_nb, m = norm_gate_backward(
                 grad_m, x, gate, mean.reshape(-1), rstd.reshape(-1), norm_weight, norm_bias
             )
-            grad_w = grad_out.t() @ m if need[4] else None
-            grad_b = grad_out.sum(0) if ctx.has_bias and need[5] else None
+            grad_w = grad_out.t() @ _scale_rows(m, scale) if need[4] else None
+            grad_b = _scale_rows(grad_out, scale).sum(0) if ctx.has_bias and need[5] else None
         return (grad_x if need[0] else None, grad_gate if need[1] else None, grad_nw if need[2] else None,
                 grad_nb if need[3] else None, grad_w, grad_b, None, None,
-                grad_out if ctx.residual and need[8] else None)
+                grad_out if ctx.residual and need[8] else None, None)
 
 
 class _FoldedNormLinear(torch.autograd.Function):
@@ -618,6 +646,7 @@ def norm_linear(
     chunks: int = 1,
     gate: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None,
+    residual_scale: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
     """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1) [+ residual]``, keeping
     only ``x``
@@ -632,18 +661,25 @@ def norm_linear(
     ``recompute="all"`` it is plain ops whose GEMM inputs (the normalised, gated ``x``) are recomputed in
     backward whatever AOTAutograd's partitioner would keep. Otherwise, without a gate and with the option
     ``norm_affine="weight"``, the norm's weight and bias are folded into the GEMM's
-    (:class:`_FoldedNormLinear`). ``residual`` (one chunk, only while :func:`residual_in_gemm`) is the
-    GEMM's input matrix (``torch.addmm``).
+    (:class:`_FoldedNormLinear`). With ``residual`` (one chunk, only while :func:`residual_in_gemm`) the
+    result is ``residual + scale * linear`` as :func:`gelu_linear` computes it.
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
-    None, ``gate (N, C)`` or None, ``residual (N, out)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.
+    None, ``gate (N, C)`` or None, ``residual (N, out)`` or None, ``residual_scale (B,)`` or None ``->``
+    ``chunks`` tensors ``(N, out / chunks)``.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or weight.shape[0] % chunks != 0:
         raise ValueError(f"`chunks` must be a positive int dividing {weight.shape[0]} outputs, got {chunks!r}")
     if residual is not None:
         if chunks != 1:
             raise ValueError(f"`residual` takes one chunk, got chunks={chunks}")
-        _check_residual(residual, x, weight)
+        _check_residual(residual, x, weight, residual_scale)
+        dt_in = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
+        if residual.dtype != dt_in:  # as ``+`` would promote
+            out = norm_linear(x, norm_weight, norm_bias, eps, weight, bias, 1, gate)[0]
+            return [residual + _scale_rows(out, residual_scale)]
+    elif residual_scale is not None:
+        raise ValueError("`residual_scale` goes with `residual`")
     device_type = x.device.type
     dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
@@ -652,7 +688,9 @@ def norm_linear(
             x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt, _use_layer_norm_kernel(x)
         )
     if _recomputes("gate" if gate is not None else "norm"):
-        return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual)
+        return _norm_linear_recomputed(
+            x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual, residual_scale
+        )
     if gate is None and residual is None and _options.current().norm_affine == "weight":
         return list(_FoldedNormLinear.apply(x, norm_weight, norm_bias, weight, bias, eps, chunks, dt))
     nw, nb = _norm_params(x, norm_weight, norm_bias)
@@ -666,12 +704,14 @@ def norm_linear(
         eps,
         chunks,
         residual,
+        residual_scale,
     )
     return list(outs)
 
 
 def _norm_gate(
-    x, gate, norm_weight, norm_bias, eps: float, dt: torch.dtype, chunks: int, ones: bool = False
+    x, gate, norm_weight, norm_bias, eps: float, dt: torch.dtype, chunks: int, ones: bool = False,
+    scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, ...]:
     """The GEMM input of :class:`_NormLinear`, computed as its forward computes it: ``layer_norm(x)`` in
     ``x.dtype``, cast to ``dt``, times ``silu(gate)`` when there is a gate; once per chunk (a cast each, so
@@ -683,21 +723,21 @@ def _norm_gate(
             n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
         s = F.silu(gate) if gate is not None else None
         ms = tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
-        return tuple(_with_ones(m) for m in ms) if ones else ms
+        return tuple(_with_ones(m, scale) if ones else _scale_rows(m, scale) for m in ms)
 
 
 def _norm_linear_recomputed(
-    x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual=None
+    x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual=None, scale=None
 ) -> List[torch.Tensor]:
     """:func:`norm_linear` as plain ops for ``torch.compile`` with the GEMM inputs (the normalised, gated
     ``x``) marked for recomputation in backward (:func:`_recomputed`)."""
     nw, nb = _norm_params(x, norm_weight, norm_bias)
     ones = residual is not None and bias is not None
-    ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks, ones)
+    ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks, ones, scale)
     w, b = weight.to(dt), _cast(bias, dt)
     if residual is not None:
         with autocast_off(x.device.type):
-            return [_residual_linear(residual, ms[0], w, b, m_has_ones=ones)]
+            return [_residual_linear(residual, ms[0], w, b)]
     biases = b.chunk(chunks) if b is not None else (None,) * chunks
     with autocast_off(x.device.type):
         return [F.linear(m, wc, bc) for m, wc, bc in zip(ms, w.chunk(chunks), biases)]

@@ -65,6 +65,7 @@ from gspn2.layers import (
 from gspn2.layers._trace import fused_training
 from gspn2.ops import depthwise_conv2d, gspn_propagate, merge_norm_gate
 from gspn2.ops import options as _options
+from gspn2.ops._amp import autocast_enabled
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
 
@@ -270,20 +271,25 @@ class GSPN2Mixer(nn.Module):
         self.out_proj = Conv1x1(hidden, dim)
 
     def forward(
-        self, x: torch.Tensor, norm: Optional[NormParams] = None, residual: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        norm: Optional[NormParams] = None,
+        residual: Optional[torch.Tensor] = None,
+        residual_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling its modules.
 
         With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the mixer of the
         normalised ``x`` in the training formulation (:meth:`forward_fused`), and with ``residual`` (only
-        under :func:`~gspn2.layers.residual_in_gemm`) ``residual + mixer`` from ``out_proj``'s GEMM.
+        under :func:`~gspn2.layers.residual_in_gemm`) ``residual + residual_scale * mixer`` from
+        ``out_proj``'s GEMM (``residual_scale``: ``None`` or one factor per sample, ``(B,)``).
 
         1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of its
         own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul`` and the
         LayerNorm stays in the activation dtype.
         """
         if norm is not None:
-            return self.forward_fused(x, norm, residual)
+            return self.forward_fused(x, norm, residual, residual_scale)
         if residual is not None:
             raise ValueError("`residual` goes with `norm` (the training formulation)")
         P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
@@ -309,7 +315,11 @@ class GSPN2Mixer(nn.Module):
 
     @torch.jit.unused
     def forward_fused(
-        self, x: torch.Tensor, norm: NormParams, residual: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        norm: NormParams,
+        residual: Optional[torch.Tensor] = None,
+        residual_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The mixer of ``LayerNorm(x)`` (``norm``: its ``(weight, bias, eps)``) in the training formulation.
 
@@ -345,12 +355,17 @@ class GSPN2Mixer(nn.Module):
                 uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip, self.norm.weight,
                 self.norm.bias, self.norm.eps, z_rows,
             )
-            out = from_rows(rows_linear(m, w, b), B, H, W)
-            return out if residual is None else residual + out
+            out = rows_linear(m, w, b)
+            if residual is None:
+                return from_rows(out, B, H, W)
+            if residual_scale is not None:
+                out = (out.view(B, -1, out.shape[1]) * residual_scale.view(-1, 1, 1).to(out.dtype)).view(out.shape)
+            return residual + from_rows(out, B, H, W)
         y = rows_linear(uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
         res = to_rows(residual) if residual is not None else None
         (out,) = norm_linear(
-            y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows, residual=res
+            y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows, residual=res,
+            residual_scale=residual_scale,
         )
         return from_rows(out, B, H, W)
 
@@ -414,10 +429,12 @@ class GSPN2Block(nn.Module):
         """
         x = self.lpu1(x)
         if fused_training() and residual_in_gemm() and self._plain_residuals():
-            # The residual sums in the GEMMs that end the branches.
-            x = self.mixer(x, (self.norm1.weight, self.norm1.bias, self.norm1.eps), residual=x)
+            # The residual sums in the GEMMs that end the branches, stochastic depth's factors on their rows.
+            norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
+            x = self.mixer(x, norm1, residual=x, residual_scale=self._sample_factors(self.drop_path1, x))
             x = self.lpu2(x)
-            return self.mlp(x, (self.norm2.weight, self.norm2.bias, self.norm2.eps), residual=x)
+            norm2 = (self.norm2.weight, self.norm2.bias, self.norm2.eps)
+            return self.mlp(x, norm2, residual=x, residual_scale=self._sample_factors(self.drop_path2, x))
         if fused_training():
             norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
             x = x + self.drop_path1(self.ls1(self.mixer(x, norm1)))
@@ -430,11 +447,24 @@ class GSPN2Block(nn.Module):
 
 
     def _plain_residuals(self) -> bool:
-        """Whether both branches end in a plain sum (no LayerScale, no stochastic depth in this call)."""
-        return all(
-            isinstance(m, nn.Identity) or (isinstance(m, DropPath) and (not self.training or m.drop_prob == 0.0))
-            for m in (self.ls1, self.drop_path1, self.ls2, self.drop_path2)
+        """Whether both branches end in a sum the GEMMs can take: no LayerScale (its float32 factors would
+        widen the sum), timm's ``DropPath`` or none."""
+        return all(isinstance(m, nn.Identity) for m in (self.ls1, self.ls2)) and all(
+            isinstance(m, (nn.Identity, DropPath)) for m in (self.drop_path1, self.drop_path2)
         )
+
+    def _sample_factors(self, drop_path: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Stochastic depth's factors for this call, ``(B,)``, drawn as timm's ``drop_path`` draws them (one
+        Bernoulli per sample, divided by the keep probability), in the branch output's dtype; ``None``
+        where ``drop_path`` passes the branch through."""
+        if not isinstance(drop_path, DropPath) or not drop_path.training or drop_path.drop_prob == 0.0:
+            return None
+        keep = 1.0 - drop_path.drop_prob
+        dt = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
+        factors = x.new_empty((x.shape[0],), dtype=dt).bernoulli_(keep)
+        if keep > 0.0 and drop_path.scale_by_keep:
+            factors.div_(keep)
+        return factors
 
 
 class GSPN2Stage(nn.Module):

@@ -545,3 +545,73 @@ def test_norm_affine_folded_into_the_gemm_is_the_same_function():
         assert [t.dtype for t in results[mode][2:]] == [torch.float32] * 5
     for got, want in zip(results["weight"], results["rows"]):  # bf16 rounding of the tensor's largest values
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("choice", ["auto", "all"])
+def test_residual_in_the_gemm_is_the_same_function(choice, monkeypatch):
+    """``residual="gemm"``: the blocks' residual sums as the input matrix of the branch's last GEMM (the bias
+    an input column, stochastic depth's factors on the GEMM's input rows). gspn2_micro compiled (aot_eager)
+    in float64, with and without stochastic depth: the loss and every gradient equal ``residual="add"``'s
+    to float64 rounding, and the GEMMs took every residual (two per block)."""
+    import timm
+
+    from gspn2.layers import pointwise
+
+    calls = []
+    real = pointwise._residual_linear
+    monkeypatch.setattr(pointwise, "_residual_linear", lambda *a: calls.append(1) or real(*a))
+
+    def step(residual, drop_path_rate):
+        torch.manual_seed(0)
+        model = timm.create_model("gspn2_micro", num_classes=5, drop_path_rate=drop_path_rate).double()
+        x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+        with options.override(residual=residual, recompute=choice, eager_autograd="python"):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+            torch.manual_seed(1)  # the same stochastic depth draws
+            loss = compiled(x).square().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()], sum(m.__class__.__name__ == "GSPN2Block"
+                                                                            for m in model.modules())
+
+    losses = []
+    for rate in (0.0, 0.5):
+        want, _ = step("add", rate)
+        assert not calls
+        got, blocks = step("gemm", rate)
+        assert len(calls) == 2 * blocks
+        calls.clear()
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        losses.append(want[0])
+    assert not torch.equal(*losses)  # stochastic depth acted
+
+
+def test_residual_arguments_are_checked(monkeypatch):
+    """``residual`` only under torch.compile with ``residual="gemm"``, of shape (rows, outputs); its factors
+    one per sample; ``residual_scale`` never alone."""
+    x, w, b = torch.randn(6, 4), torch.randn(3, 4), torch.randn(3)
+    nw, nb = torch.ones(4), torch.zeros(4)
+    with pytest.raises(ValueError, match="`residual` is taken only under torch.compile"):
+        gelu_linear(x, w, b, torch.randn(6, 3))
+    with pytest.raises(ValueError, match="`residual` is taken only under torch.compile"):
+        norm_linear(x, nw, nb, 1e-6, w, b, 1, None, torch.randn(6, 3))
+    with pytest.raises(ValueError, match="`residual_scale` goes with `residual`"):
+        gelu_linear(x, w, b, None, torch.ones(2))
+    with pytest.raises(ValueError, match="`residual_scale` goes with `residual`"):
+        norm_linear(x, nw, nb, 1e-6, w, b, 1, None, None, torch.ones(2))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while Dynamo traces
+    with pytest.raises(ValueError, match="`residual` is taken only under torch.compile with the option"):
+        gelu_linear(x, w, b, torch.randn(6, 3))
+    with options.override(residual="gemm"):
+        for args, match in (((torch.randn(6, 2), None), r"`residual` must have shape \(6, 3\)"),
+                            ((torch.randn(6, 3), torch.ones(4)), r"`residual_scale` must be one factor per sample"),
+                            ((torch.randn(6, 3), torch.ones(2, 1)), r"`residual_scale` must be one factor"),
+                            ((torch.randn(6, 3), None, 3), r"`residual` takes one chunk")):
+            chunks = args[2] if len(args) > 2 else 1
+            with pytest.raises(ValueError, match=match):
+                norm_linear(x, nw, nb, 1e-6, torch.randn(3 * chunks, 4), None, chunks, None, args[0], args[1])
+            if chunks == 1:
+                with pytest.raises(ValueError, match=match):
+                    gelu_linear(x, w, b, args[0], args[1])
