@@ -57,7 +57,7 @@ class PointwiseMlp(nn.Module):
         B, _, H, W = x.shape
         norm_weight, norm_bias, eps = norm
         w1, b1 = self.fc1.weight.flatten(1), self.fc1.bias
-        h = norm_linear(to_rows(x), norm_weight, norm_bias, eps, w1, b1, chunks=1, gate=None)[0]
+        h = norm_linear(to_rows(x), norm_weight, norm_bias, eps, w1, b1, 1, None, None, None)[0]
         res = to_rows(residual) if residual is not None else None
         out = gelu_linear(h, self.fc2.weight.flatten(1), self.fc2.bias, res, residual_scale)
         return from_rows(out, B, H, W)

@@ -428,13 +428,8 @@ class GSPN2Block(nn.Module):
         otherwise, and while a graph recorder runs (:mod:`gspn2.layers._trace`), every module is called.
         """
         x = self.lpu1(x)
-        if fused_training() and residual_in_gemm() and self._plain_residuals():
-            # The residual sums in the GEMMs that end the branches, stochastic depth's factors on their rows.
-            norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
-            x = self.mixer(x, norm1, residual=x, residual_scale=self._sample_factors(self.drop_path1, x))
-            x = self.lpu2(x)
-            norm2 = (self.norm2.weight, self.norm2.bias, self.norm2.eps)
-            return self.mlp(x, norm2, residual=x, residual_scale=self._sample_factors(self.drop_path2, x))
+        if self._residuals_in_gemms():
+            return self._forward_residuals_in_gemms(x)
         if fused_training():
             norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
             x = x + self.drop_path1(self.ls1(self.mixer(x, norm1)))
@@ -446,13 +441,32 @@ class GSPN2Block(nn.Module):
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
-    def _plain_residuals(self) -> bool:
-        """Whether both branches end in a sum the GEMMs can take: no LayerScale (its float32 factors would
-        widen the sum), timm's ``DropPath`` or none."""
-        return all(isinstance(m, nn.Identity) for m in (self.ls1, self.ls2)) and all(
-            isinstance(m, (nn.Identity, DropPath)) for m in (self.drop_path1, self.drop_path2)
-        )
+    def _residuals_in_gemms(self) -> bool:
+        """Whether this call adds the residuals in the GEMMs that end the branches (:meth:`forward`): the
+        training formulation under :func:`~gspn2.layers.residual_in_gemm`, and branches that end in a sum
+        the GEMMs can take (no LayerScale, whose float32 factors would widen the sum; timm's ``DropPath`` or
+        none). Always False in TorchScript."""
+        if torch.jit.is_scripting():
+            return False
+        else:
+            return (
+                fused_training()
+                and residual_in_gemm()
+                and all(isinstance(m, nn.Identity) for m in (self.ls1, self.ls2))
+                and all(isinstance(m, (nn.Identity, DropPath)) for m in (self.drop_path1, self.drop_path2))
+            )
 
+    @torch.jit.unused
+    def _forward_residuals_in_gemms(self, x: torch.Tensor) -> torch.Tensor:
+        """The rest of :meth:`forward` after ``lpu1`` with the residual sums in ``out_proj``'s and ``fc2``'s
+        GEMMs, stochastic depth's factors on their input rows."""
+        norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
+        x = self.mixer(x, norm1, residual=x, residual_scale=self._sample_factors(self.drop_path1, x))
+        x = self.lpu2(x)
+        norm2 = (self.norm2.weight, self.norm2.bias, self.norm2.eps)
+        return self.mlp(x, norm2, residual=x, residual_scale=self._sample_factors(self.drop_path2, x))
+
+    @torch.jit.unused
     def _sample_factors(self, drop_path: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Stochastic depth's factors for this call, ``(B,)``, drawn as timm's ``drop_path`` draws them (one
         Bernoulli per sample, divided by the keep probability), in the branch output's dtype; ``None``
