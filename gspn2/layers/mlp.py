@@ -46,13 +46,13 @@ class PointwiseMlp(nn.Module):
         (:func:`~gspn2.layers.norm_linear`) and GELU into ``fc2`` (:func:`~gspn2.layers.gelu_linear`),
         which keep only the norm's input and the ``(hidden)`` pre-activation for backward. ``fc1`` and
         ``fc2`` are then not called (their forward hooks do not run). Not for ``torch.fx``,
-        ``torch.jit.trace`` or TorchScript (:mod:`gspn2.layers._trace`). With ``residual`` (and ``norm``, only
-        under :func:`~gspn2.layers.residual_in_gemm`), ``residual + residual_scale * mlp(x)`` from ``fc2``'s
-        GEMM (``residual_scale``: ``None`` or one factor per sample, ``(B,)``).
+        ``torch.jit.trace`` or TorchScript (:mod:`gspn2.layers._trace`). With ``residual`` (only under
+        :func:`~gspn2.layers.residual_in_gemm`), ``residual + residual_scale * mlp(x)`` from ``fc2``'s GEMM
+        (``residual_scale``: ``None`` or one factor per sample, ``(B,)``).
         """
         if norm is None:
             if residual is not None:
-                raise ValueError("`residual` goes with `norm` (the training formulation)")
+                return self.fc2.forward_residual(self.act(self.fc1(x)), residual, residual_scale)
             return self.fc2(self.act(self.fc1(x)))
         B, _, H, W = x.shape
         norm_weight, norm_bias, eps = norm

@@ -155,6 +155,27 @@ class Conv1x1(nn.Conv2d):
         # weight.flatten(1): (out, in), a view of the (out, in, 1, 1) parameter.
         return from_rows(F.linear(to_rows(x), self.weight.flatten(1), self.bias), B, H, W)
 
+    @torch.jit.unused
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, residual_scale: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``residual + residual_scale * self(x)`` with the residual as the GEMM's input matrix and the bias an
+        input column (only while :func:`residual_in_gemm`; forward hooks do not run). ``residual_scale``:
+        ``None`` or one factor per sample, ``(B,)``, applied to the GEMM's input rows.
+
+        Shapes: ``x (B, in, H, W)``, ``residual (B, out, H, W)`` ``-> (B, out, H, W)``.
+        """
+        B, _, H, W = x.shape
+        rows, res, weight = to_rows(x), to_rows(residual), self.weight.flatten(1)
+        _check_residual(res, rows, weight, residual_scale)
+        dt = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
+        if res.dtype != dt:  # as ``+`` would promote
+            return residual + from_rows(_scale_rows(F.linear(rows, weight, self.bias), residual_scale), B, H, W)
+        with autocast_off(x.device.type):
+            rows, weight, bias = rows.to(dt), weight.to(dt), _cast(self.bias, dt)
+            m = _with_ones(rows, residual_scale) if bias is not None else _scale_rows(rows, residual_scale)
+            return from_rows(_residual_linear(res, m, weight, bias), B, H, W)
+
 
 class ChunkedConv1x1(Conv1x1):
     """A :class:`Conv1x1` whose output comes as a list of ``out_chunks`` tensors, each from its own GEMM.

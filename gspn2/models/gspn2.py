@@ -280,9 +280,9 @@ class GSPN2Mixer(nn.Module):
         """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling its modules.
 
         With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the mixer of the
-        normalised ``x`` in the training formulation (:meth:`forward_fused`), and with ``residual`` (only
-        under :func:`~gspn2.layers.residual_in_gemm`) ``residual + residual_scale * mixer`` from
-        ``out_proj``'s GEMM (``residual_scale``: ``None`` or one factor per sample, ``(B,)``).
+        normalised ``x`` in the training formulation (:meth:`forward_fused`). With ``residual`` (only under
+        :func:`~gspn2.layers.residual_in_gemm`), ``residual + residual_scale * mixer`` from ``out_proj``'s
+        GEMM (``residual_scale``: ``None`` or one factor per sample, ``(B,)``).
 
         1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of its
         own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul`` and the
@@ -290,8 +290,6 @@ class GSPN2Mixer(nn.Module):
         """
         if norm is not None:
             return self.forward_fused(x, norm, residual, residual_scale)
-        if residual is not None:
-            raise ValueError("`residual` goes with `norm` (the training formulation)")
         P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
         v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
         v = depthwise_conv(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
@@ -302,6 +300,8 @@ class GSPN2Mixer(nn.Module):
         y = (u.unflatten(1, (D, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
         y = torch.addcmul(self.proj_up(y), v, self.skip.view(1, -1, 1, 1).to(v.dtype))
         # The scan's scale grows with the image: normalise before gating.
+        if residual is not None:
+            return self.out_proj.forward_residual(self.norm(y) * self.act(z), residual, residual_scale)
         return self.out_proj(self.norm(y) * self.act(z))
 
     def _scan(self, xp: torch.Tensor, lam: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -442,16 +442,15 @@ class GSPN2Block(nn.Module):
 
 
     def _residuals_in_gemms(self) -> bool:
-        """Whether this call adds the residuals in the GEMMs that end the branches (:meth:`forward`): the
-        training formulation under :func:`~gspn2.layers.residual_in_gemm`, and branches that end in a sum
-        the GEMMs can take (no LayerScale, whose float32 factors would widen the sum; timm's ``DropPath`` or
-        none). Always False in TorchScript."""
+        """Whether this call adds the residuals in the GEMMs that end the branches (:meth:`forward`): under
+        :func:`~gspn2.layers.residual_in_gemm`, with branches that end in a sum the GEMMs can take (no
+        LayerScale, whose float32 factors would widen the sum; timm's ``DropPath`` or none). Always False in
+        TorchScript."""
         if torch.jit.is_scripting():
             return False
         else:
             return (
-                fused_training()
-                and residual_in_gemm()
+                residual_in_gemm()
                 and all(isinstance(m, nn.Identity) for m in (self.ls1, self.ls2))
                 and all(isinstance(m, (nn.Identity, DropPath)) for m in (self.drop_path1, self.drop_path2))
             )
@@ -459,12 +458,19 @@ class GSPN2Block(nn.Module):
     @torch.jit.unused
     def _forward_residuals_in_gemms(self, x: torch.Tensor) -> torch.Tensor:
         """The rest of :meth:`forward` after ``lpu1`` with the residual sums in ``out_proj``'s and ``fc2``'s
-        GEMMs, stochastic depth's factors on their input rows."""
-        norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
-        x = self.mixer(x, norm1, residual=x, residual_scale=self._sample_factors(self.drop_path1, x))
+        GEMMs, stochastic depth's factors on their input rows; the training formulation where autograd
+        records, the modules otherwise."""
+        fused = fused_training()
+        scale = self._sample_factors(self.drop_path1, x)
+        if fused:
+            x = self.mixer(x, (self.norm1.weight, self.norm1.bias, self.norm1.eps), x, scale)
+        else:
+            x = self.mixer(self.norm1(x), None, x, scale)
         x = self.lpu2(x)
-        norm2 = (self.norm2.weight, self.norm2.bias, self.norm2.eps)
-        return self.mlp(x, norm2, residual=x, residual_scale=self._sample_factors(self.drop_path2, x))
+        scale = self._sample_factors(self.drop_path2, x)
+        if fused:
+            return self.mlp(x, (self.norm2.weight, self.norm2.bias, self.norm2.eps), x, scale)
+        return self.mlp(self.norm2(x), None, x, scale)
 
     @torch.jit.unused
     def _sample_factors(self, drop_path: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
