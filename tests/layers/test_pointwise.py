@@ -615,3 +615,34 @@ def test_residual_arguments_are_checked(monkeypatch):
             if chunks == 1:
                 with pytest.raises(ValueError, match=match):
                     gelu_linear(x, w, b, args[0], args[1])
+
+
+def test_residual_in_the_gemm_in_the_module_path(monkeypatch):
+    """``residual="gemm"`` where the blocks call their modules (no autograd: compiled inference): gspn2_micro
+    compiled (aot_eager) under ``torch.no_grad`` in float64, in eval mode and in train mode with stochastic
+    depth, equals ``residual="add"`` to float64 rounding, the GEMMs taking every residual."""
+    import timm
+
+    from gspn2.layers import pointwise
+
+    calls = []
+    real = pointwise._residual_linear
+    monkeypatch.setattr(pointwise, "_residual_linear", lambda *a: calls.append(1) or real(*a))
+
+    def infer(residual, train):
+        torch.manual_seed(0)
+        model = timm.create_model("gspn2_micro", num_classes=5, drop_path_rate=0.5).double().train(train)
+        x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+        with options.override(residual=residual), torch.no_grad():
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+            torch.manual_seed(1)
+            return compiled(x), sum(type(m).__name__ == "GSPN2Block" for m in model.modules())
+
+    for train in (False, True):
+        want, _ = infer("add", train)
+        assert not calls
+        got, blocks = infer("gemm", train)
+        assert len(calls) == 2 * blocks
+        calls.clear()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
