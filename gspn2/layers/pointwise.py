@@ -347,7 +347,8 @@ def gelu_linear(
     if residual is not None:
         _check_residual(residual, h, weight, residual_scale)
         w, b = weight.to(h.dtype), _cast(bias, h.dtype)
-        if residual.dtype != h.dtype:  # as ``+`` would promote
+        if residual.dtype != h.dtype or _options.current().mlp == "fused":
+            # A wider residual (as ``+`` would promote), or the fused op's GEMMs: the sum on its own.
             return residual + _scale_rows(gelu_linear(h, weight, bias), residual_scale)
         with autocast_off(h.device.type):
             args = (h, b is not None, residual_scale)
@@ -669,8 +670,7 @@ def norm_linear(
     residual: Optional[torch.Tensor] = None,
     residual_scale: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
-    """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1) [+ residual]``, keeping
-    only ``x``
+    """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1)``, keeping only ``x``
     (with the norm's per-row statistics) and ``gate`` for backward.
 
     A LayerNorm followed by a GEMM saves both the norm's input and its output (the GEMM's input); this
