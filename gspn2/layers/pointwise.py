@@ -159,8 +159,8 @@ class Conv1x1(nn.Conv2d):
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor, residual_scale: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        """``residual + residual_scale * self(x)`` with the residual as the GEMM's input matrix and the bias an
-        input column (only while :func:`residual_in_gemm`; forward hooks do not run). ``residual_scale``:
+        """``residual + residual_scale * self(x)`` with the residual as the GEMM's input matrix and the bias
+        an input column (only while :func:`residual_in_gemm`; forward hooks do not run). ``residual_scale``:
         ``None`` or one factor per sample, ``(B,)``, applied to the GEMM's input rows.
 
         Shapes: ``x (B, in, H, W)``, ``residual (B, out, H, W)`` ``-> (B, out, H, W)``.
@@ -170,7 +170,8 @@ class Conv1x1(nn.Conv2d):
         _check_residual(res, rows, weight, residual_scale)
         dt = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
         if res.dtype != dt:  # as ``+`` would promote
-            return residual + from_rows(_scale_rows(F.linear(rows, weight, self.bias), residual_scale), B, H, W)
+            out = _scale_rows(F.linear(rows, weight, self.bias), residual_scale)
+            return residual + from_rows(out, B, H, W)
         with autocast_off(x.device.type):
             rows, weight, bias = rows.to(dt), weight.to(dt), _cast(self.bias, dt)
             m = _with_ones(rows, residual_scale) if bias is not None else _scale_rows(rows, residual_scale)
@@ -277,8 +278,8 @@ def _scale_rows(m: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def _with_bias(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``(out, K), (out,) -> (out, K + 8)``: ``weight``, the bias and seven zero columns (for :func:`_with_ones`
-    inputs)."""
+    """``(out, K), (out,) -> (out, K + 8)``: ``weight``, the bias and seven zero columns (for
+    :func:`_with_ones` inputs)."""
     zeros = weight.new_zeros(weight.shape[0], _BIAS_COLUMNS - 1)
     return torch.cat([weight, bias[:, None].to(weight.dtype), zeros], dim=1)
 
@@ -381,7 +382,8 @@ def _check_residual(
         raise ValueError("`residual` is taken only under torch.compile with the option residual='gemm'")
     if residual.shape != (x.shape[0], weight.shape[0]):
         raise ValueError(
-            f"`residual` must have shape {(x.shape[0], weight.shape[0])} (rows, outputs), got {tuple(residual.shape)}"
+            f"`residual` must have shape {(x.shape[0], weight.shape[0])} (rows, outputs), "
+            f"got {tuple(residual.shape)}"
         )
     if scale is not None and (scale.dim() != 1 or scale.shape[0] == 0 or x.shape[0] % scale.shape[0] != 0):
         raise ValueError(

@@ -359,7 +359,8 @@ class GSPN2Mixer(nn.Module):
             if residual is None:
                 return from_rows(out, B, H, W)
             if residual_scale is not None:
-                out = (out.view(B, -1, out.shape[1]) * residual_scale.view(-1, 1, 1).to(out.dtype)).view(out.shape)
+                factors = residual_scale.view(-1, 1, 1).to(out.dtype)
+                out = (out.view(B, -1, out.shape[1]) * factors).view(out.shape)
             return residual + from_rows(out, B, H, W)
         y = rows_linear(uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
         res = to_rows(residual) if residual is not None else None

@@ -571,8 +571,8 @@ def test_residual_in_the_gemm_is_the_same_function(choice, monkeypatch):
             torch.manual_seed(1)  # the same stochastic depth draws
             loss = compiled(x).square().mean()
         loss.backward()
-        return [loss.detach()] + [p.grad for p in model.parameters()], sum(m.__class__.__name__ == "GSPN2Block"
-                                                                            for m in model.modules())
+        blocks = sum(type(m).__name__ == "GSPN2Block" for m in model.modules())
+        return [loss.detach()] + [p.grad for p in model.parameters()], blocks
 
     losses = []
     for rate in (0.0, 0.5):
@@ -605,10 +605,11 @@ def test_residual_arguments_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="`residual` is taken only under torch.compile with the option"):
         gelu_linear(x, w, b, torch.randn(6, 3))
     with options.override(residual="gemm"):
-        for args, match in (((torch.randn(6, 2), None), r"`residual` must have shape \(6, 3\)"),
-                            ((torch.randn(6, 3), torch.ones(4)), r"`residual_scale` must be one factor per sample"),
-                            ((torch.randn(6, 3), torch.ones(2, 1)), r"`residual_scale` must be one factor"),
-                            ((torch.randn(6, 3), None, 3), r"`residual` takes one chunk")):
+        cases = (((torch.randn(6, 2), None), r"`residual` must have shape \(6, 3\)"),
+                 ((torch.randn(6, 3), torch.ones(4)), r"`residual_scale` must be one factor per sample"),
+                 ((torch.randn(6, 3), torch.ones(2, 1)), r"`residual_scale` must be one factor"),
+                 ((torch.randn(6, 3), None, 3), r"`residual` takes one chunk"))
+        for args, match in cases:
             chunks = args[2] if len(args) > 2 else 1
             with pytest.raises(ValueError, match=match):
                 norm_linear(x, nw, nb, 1e-6, torch.randn(3 * chunks, 4), None, chunks, None, args[0], args[1])
