@@ -82,6 +82,11 @@ def _rows_call(name: str, *args):
     return op(*args)
 
 
+def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM of ``x`` computes in: the autocast dtype where autocast is on, else ``x.dtype``."""
+    return torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
+
+
 def _use_cpp() -> bool:
     """Whether this call takes the C++ op: built, allowed by the option, and not traced by Dynamo."""
     return _CPP_OPS and _options.current().eager_autograd == "auto" and not torch.compiler.is_compiling()
@@ -168,7 +173,7 @@ class Conv1x1(nn.Conv2d):
         B, _, H, W = x.shape
         rows, res, weight = to_rows(x), to_rows(residual), self.weight.flatten(1)
         _check_residual(res, rows, weight, residual_scale)
-        dt = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
+        dt = _gemm_dtype(x)
         if res.dtype != dt:  # as ``+`` would promote
             out = _scale_rows(F.linear(rows, weight, self.bias), residual_scale)
             return residual + from_rows(out, B, H, W)
@@ -450,8 +455,7 @@ def rows_linear(
     """
     if (skip_input is None) != (skip_scale is None):
         raise ValueError("rows_linear: `skip_input` and `skip_scale` go together (both or neither)")
-    device_type = x.device.type
-    dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
+    dt = _gemm_dtype(x)
     if _use_cpp():
         return _rows_call("rows_linear", x, weight, bias, skip_input, skip_scale, dt)
     if skip_input is not None and skip_scale is not None:
@@ -693,18 +697,16 @@ def norm_linear(
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or weight.shape[0] % chunks != 0:
         raise ValueError(f"`chunks` must be a positive int dividing {weight.shape[0]} outputs, got {chunks!r}")
+    dt = _gemm_dtype(x)
     if residual is not None:
         if chunks != 1:
             raise ValueError(f"`residual` takes one chunk, got chunks={chunks}")
         _check_residual(residual, x, weight, residual_scale)
-        dt_in = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
-        if residual.dtype != dt_in:  # as ``+`` would promote
+        if residual.dtype != dt:  # as ``+`` would promote
             out = norm_linear(x, norm_weight, norm_bias, eps, weight, bias, 1, gate)[0]
             return [residual + _scale_rows(out, residual_scale)]
     elif residual_scale is not None:
         raise ValueError("`residual_scale` goes with `residual`")
-    device_type = x.device.type
-    dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
         return _rows_call(
             "rows_norm_linear",
