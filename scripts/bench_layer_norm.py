@@ -60,7 +60,7 @@ def norm_shapes(model: str, batch: int, resolution: int) -> Counter:
 
 
 def _fn(variant: str, gelu: bool):
-    from gspn2.ops import layer_norm, options
+    from gspn2.ops import layer_norm
 
     def aten(x, w, b):
         y = F.layer_norm(x, x.shape[-1:], w.to(x.dtype), b.to(x.dtype), 1e-6)

@@ -43,7 +43,8 @@ from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
 __all__ = [
     "POINTWISE_MAX_IN", "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows",
-    "gelu_linear", "norm_linear", "recomputed_silu", "residual_in_gemm", "rows_linear", "to_rows",
+    "gelu_linear", "norm_linear", "recomputed_silu", "residual_in_gemm", "rows_linear", "scale_rows",
+    "to_rows",
 ]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
@@ -175,11 +176,11 @@ class Conv1x1(nn.Conv2d):
         _check_residual(res, rows, weight, residual_scale)
         dt = _gemm_dtype(x)
         if res.dtype != dt:  # as ``+`` would promote
-            out = _scale_rows(F.linear(rows, weight, self.bias), residual_scale)
+            out = scale_rows(F.linear(rows, weight, self.bias), residual_scale)
             return residual + from_rows(out, B, H, W)
         with autocast_off(x.device.type):
             rows, weight, bias = rows.to(dt), weight.to(dt), _cast(self.bias, dt)
-            m = _with_ones(rows, residual_scale) if bias is not None else _scale_rows(rows, residual_scale)
+            m = _with_ones(rows, residual_scale) if bias is not None else scale_rows(rows, residual_scale)
             return from_rows(_residual_linear(res, m, weight, bias), B, H, W)
 
 
@@ -272,10 +273,10 @@ def _with_ones(m: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.T
     """``(N, K) -> (N, K + 8)``: ``m``, a column of ones and seven of zeros (the bias's input column); with
     ``scale``, one factor per sample ``(B,)``, each sample's ``N / B`` rows times its factor."""
     col = (torch.arange(_BIAS_COLUMNS, device=m.device) == 0).to(m.dtype)
-    return _scale_rows(torch.cat([m, col.expand(m.shape[0], _BIAS_COLUMNS)], dim=1), scale)
+    return scale_rows(torch.cat([m, col.expand(m.shape[0], _BIAS_COLUMNS)], dim=1), scale)
 
 
-def _scale_rows(m: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+def scale_rows(m: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """``m (N, K)`` with each sample's ``N / B`` consecutive rows times its factor of ``scale (B,)``."""
     if scale is None:
         return m
@@ -355,7 +356,7 @@ def gelu_linear(
         w, b = weight.to(h.dtype), _cast(bias, h.dtype)
         if residual.dtype != h.dtype or _options.current().mlp == "fused":
             # A wider residual (as ``+`` would promote), or the fused op's GEMMs: the sum on its own.
-            return residual + _scale_rows(gelu_linear(h, weight, bias), residual_scale)
+            return residual + scale_rows(gelu_linear(h, weight, bias), residual_scale)
         with autocast_off(h.device.type):
             args = (h, b is not None, residual_scale)
             m = _recomputed(_gelu_input, *args) if _recomputes("gelu") else _gelu_input(*args)
@@ -375,7 +376,7 @@ def gelu_linear(
 def _gelu_input(h: torch.Tensor, ones: bool, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """The input of :func:`gelu_linear`'s GEMM with the residual: ``gelu(h)``, the bias's input columns when
     ``ones``, the sample factors."""
-    return _with_ones(F.gelu(h), scale) if ones else _scale_rows(F.gelu(h), scale)
+    return _with_ones(F.gelu(h), scale) if ones else scale_rows(F.gelu(h), scale)
 
 
 def _check_residual(
@@ -482,7 +483,7 @@ class _NormLinear(torch.autograd.Function):
             weights = weight.chunk(chunks) if chunks > 1 else (weight,)
             biases = (bias.chunk(chunks) if chunks > 1 else (bias,)) if bias is not None else (None,) * chunks
             if residual is not None:  # one chunk
-                mm = _with_ones(m, scale) if bias is not None else _scale_rows(m, scale)
+                mm = _with_ones(m, scale) if bias is not None else scale_rows(m, scale)
                 outs = (_residual_linear(residual, mm, weight, bias),)
             else:
                 outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
@@ -516,7 +517,7 @@ class _NormLinear(torch.autograd.Function):
                 grad_wb = grads[0].t() @ _with_ones(m0 * s if s is not None else m0, scale)
                 grad_w, grad_b = grad_wb[:, : weight.shape[1]], grad_wb[:, weight.shape[1]]
             elif need[4]:
-                m = _scale_rows(m0 * s if s is not None else m0, scale)
+                m = scale_rows(m0 * s if s is not None else m0, scale)
                 grad_w = torch.cat([g.t() @ m for g in grads]) if ctx.chunks > 1 else grads[0].t() @ m
             if ctx.has_bias and need[5] and not ctx.residual:
                 grad_b = torch.cat([g.sum(0) for g in grads]) if ctx.chunks > 1 else grads[0].sum(0)
@@ -525,7 +526,7 @@ class _NormLinear(torch.autograd.Function):
                 # the per-GEMM casts of the unfused path.
                 grad_n = None
                 for g, w in zip(grads, weights):
-                    grad_m = _scale_rows(g @ w, scale)
+                    grad_m = scale_rows(g @ w, scale)
                     if s is not None:
                         if need[1]:  # the gate multiplies every chunk's input: sum over chunks
                             gg = torch.ops.aten.silu_backward(grad_m * m0, gate)
@@ -556,12 +557,12 @@ class _NormLinear(torch.autograd.Function):
         gradient)."""
         need = ctx.needs_input_grad
         with autocast_off(x.device.type):
-            grad_m = _scale_rows(grad_out @ weight, scale)
+            grad_m = scale_rows(grad_out @ weight, scale)
             grad_x, grad_gate, grad_nw, grad_nb, m = norm_gate_backward(
                 grad_m, x, gate, mean.reshape(-1), rstd.reshape(-1), norm_weight, norm_bias
             )
-            grad_w = grad_out.t() @ _scale_rows(m, scale) if need[4] else None
-            grad_b = _scale_rows(grad_out, scale).sum(0) if ctx.has_bias and need[5] else None
+            grad_w = grad_out.t() @ scale_rows(m, scale) if need[4] else None
+            grad_b = scale_rows(grad_out, scale).sum(0) if ctx.has_bias and need[5] else None
         return (grad_x if need[0] else None, grad_gate if need[1] else None, grad_nw if need[2] else None,
                 grad_nb if need[3] else None, grad_w, grad_b, None, None,
                 grad_out if ctx.residual and need[8] else None, None)
@@ -704,7 +705,7 @@ def norm_linear(
         _check_residual(residual, x, weight, residual_scale)
         if residual.dtype != dt:  # as ``+`` would promote
             out = norm_linear(x, norm_weight, norm_bias, eps, weight, bias, 1, gate)[0]
-            return [residual + _scale_rows(out, residual_scale)]
+            return [residual + scale_rows(out, residual_scale)]
     elif residual_scale is not None:
         raise ValueError("`residual_scale` goes with `residual`")
     if _use_cpp():
@@ -748,7 +749,7 @@ def _norm_gate(
             n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
         s = F.silu(gate) if gate is not None else None
         ms = tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
-        return tuple(_with_ones(m, scale) if ones else _scale_rows(m, scale) for m in ms)
+        return tuple(_with_ones(m, scale) if ones else scale_rows(m, scale) for m in ms)
 
 
 def _norm_linear_recomputed(

@@ -63,6 +63,7 @@ from gspn2.layers import (
     to_rows,
 )
 from gspn2.layers._trace import fused_training
+from gspn2.layers.pointwise import scale_rows
 from gspn2.ops import depthwise_conv2d, gspn_propagate, merge_norm_gate
 from gspn2.ops import options as _options
 from gspn2.ops._amp import autocast_enabled
@@ -290,7 +291,7 @@ class GSPN2Mixer(nn.Module):
         """
         if norm is not None:
             return self.forward_fused(x, norm, residual, residual_scale)
-        P, K, D = self.proxy_dim, self.affinity_groups, self.num_directions
+        P, D = self.proxy_dim, self.num_directions
         v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
         v = depthwise_conv(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
         xp, lam, u, gates = self.generate(v).split(self.split_sizes, dim=1)
@@ -358,10 +359,8 @@ class GSPN2Mixer(nn.Module):
             out = rows_linear(m, w, b)
             if residual is None:
                 return from_rows(out, B, H, W)
-            if residual_scale is not None:
-                factors = residual_scale.view(-1, 1, 1).to(out.dtype)
-                out = (out.view(B, -1, out.shape[1]) * factors).view(out.shape)
-            return residual + from_rows(out, B, H, W)
+            scale = residual_scale.to(out.dtype) if residual_scale is not None else None
+            return residual + from_rows(scale_rows(out, scale), B, H, W)
         y = rows_linear(uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
         res = to_rows(residual) if residual is not None else None
         (out,) = norm_linear(
