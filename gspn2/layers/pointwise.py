@@ -220,10 +220,10 @@ class ChunkedConv1x1(Conv1x1):
         return outs
 
 
-# ``auto`` is ``gelu``: on the H200 it took gspn2_tiny's compiled training peak from 1.19x to 1.01x Swin-T's
-# for 0.2% of the step (docs/benchmarks.md, "Recomputing the GEMM inputs").
+# ``auto`` is ``act``: compiled gspn2_tiny trains with a 0.56 GB lower peak than with ``gelu`` (0.95x Swin-T's)
+# and no slower (docs/benchmarks.md, "The compiled training defaults, measured").
 _RECOMPUTED = {
-    "auto": ("gelu",),
+    "auto": ("gelu", "silu"),
     "gelu": ("gelu",),
     "act": ("gelu", "silu"),
     "gate": ("gelu", "silu", "gate"),
@@ -687,9 +687,9 @@ def norm_linear(
     output is contiguous (as :class:`Conv1x1` with ``out_chunks``). Eagerly the C++ op
     ``gspn2::rows_norm_linear`` computes it (module docstring). Under ``torch.compile`` with the option
     ``recompute="all"`` it is plain ops whose GEMM inputs (the normalised, gated ``x``) are recomputed in
-    backward whatever AOTAutograd's partitioner would keep. Otherwise, without a gate and with the option
-    ``norm_affine="weight"``, the norm's weight and bias are folded into the GEMM's
-    (:class:`_FoldedNormLinear`). With ``residual`` (one chunk, only while :func:`residual_in_gemm`) the
+    backward whatever AOTAutograd's partitioner would keep. Otherwise, without a gate, under
+    ``torch.compile`` (option ``norm_affine``: ``auto``, or ``weight`` also eagerly), the norm's weight and
+    bias are folded into the GEMM's (:class:`_FoldedNormLinear`). With ``residual`` (one chunk, only while :func:`residual_in_gemm`) the
     result is ``residual + scale * linear`` as :func:`gelu_linear` computes it.
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
@@ -717,7 +717,7 @@ def norm_linear(
         return _norm_linear_recomputed(
             x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual, residual_scale
         )
-    if gate is None and residual is None and _options.current().norm_affine == "weight":
+    if gate is None and residual is None and _folds_norm_affine():
         return list(_FoldedNormLinear.apply(x, norm_weight, norm_bias, weight, bias, eps, chunks, dt))
     nw, nb = _norm_params(x, norm_weight, norm_bias)
     outs = _NormLinear.apply(
@@ -733,6 +733,14 @@ def norm_linear(
         residual_scale,
     )
     return list(outs)
+
+
+def _folds_norm_affine() -> bool:
+    """Whether :func:`norm_linear` folds an ungated norm's weight and bias into the GEMM's (option
+    ``norm_affine``): always with ``weight``, under ``torch.compile`` with ``auto`` (measured faster there:
+    docs/benchmarks.md, "The compiled training defaults, measured"), never with ``rows``."""
+    choice = _options.current().norm_affine
+    return choice == "weight" or (choice == "auto" and torch.compiler.is_compiling())
 
 
 def _norm_gate(

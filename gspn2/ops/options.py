@@ -47,9 +47,9 @@ environment         option                               values
                     ``proj_up``: ``4 * proxy_dim``)      with the skip, norm and gate after them
                                                          (measured faster); ``gemm``: always a GEMM
 ``GSPN2_``          ``recompute``: under                 ``keep``: AOTAutograd's partitioner decides
-``RECOMPUTE``       ``torch.compile``, which inputs of   (it keeps them); ``auto`` / ``gelu``: the MLP's
+``RECOMPUTE``       ``torch.compile``, which inputs of   (it keeps them); ``gelu``: the MLP's
                     the training formulation's GEMMs     ``gelu(h)`` is recomputed from ``h`` in
-                    backward recomputes instead of       backward; ``act``: also the mixer's
+                    backward recomputes instead of       backward; ``auto`` / ``act``: also the mixer's
                     keeping from the forward             ``silu(dwconv(v))`` (``generate``'s input);
                                                          ``gate``: also the mixer's gated norm output
                                                          (``out_proj``'s input); ``all``:
@@ -57,17 +57,19 @@ environment         option                               values
                                                          ``norm_linear``'s GEMMs (the recomputed
                                                          chains' backward is autograd's, so
                                                          ``norm_backward`` does not apply)
-``GSPN2_NORM_``     ``norm_affine``: where the training  ``auto`` / ``rows``: on the normalised rows
-``AFFINE``          formulation applies the weight and   (their gradients are sums over the rows);
-                    bias of a LayerNorm that feeds a     ``weight``: folded into the GEMM's weight and
-                    GEMM without a gate (``in_proj``,    bias (their gradients come from the GEMM's
-                    ``fc1``)                             weight-sized gradients; the norm's backward
-                                                         reduces along rows only)
+``GSPN2_NORM_``     ``norm_affine``: where the training  ``rows``: on the normalised rows (their
+``AFFINE``          formulation applies the weight and   gradients are sums over the rows); ``weight``:
+                    bias of a LayerNorm that feeds a     folded into the GEMM's weight and bias (their
+                    GEMM without a gate (``in_proj``,    gradients come from the GEMM's weight-sized
+                    ``fc1``)                             gradients; the norm's backward reduces along
+                                                         rows only); ``auto``: ``weight`` under
+                                                         ``torch.compile`` (measured faster), ``rows``
+                                                         eagerly
 ``GSPN2_``          ``residual``: under                  ``auto`` / ``add``: the branch's last GEMM,
 ``RESIDUAL``        ``torch.compile``, where the blocks' then the sum in its own kernel; ``gemm``: the
                     residual sums (``x + mixer(x)``,     residual is the GEMM's input matrix
                     ``x + mlp(x)``) are added            (``addmm``) and the bias an extra input column
-                                                         of ones
+                                                         of ones (fewer kernels, measured slower)
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:

@@ -229,8 +229,9 @@ def test_compile_traces_the_python_functions():
     def fn(x, w):
         return norm_linear(x, nw, nb, 1e-6, w, b)[0]
 
-    torch._dynamo.reset()
-    got = torch.compile(fn, backend=backend, fullgraph=True)(x, w)
+    with options.override(norm_affine="rows"):  # the formulation eager runs, bitwise
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend=backend, fullgraph=True)(x, w)
     targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert graphs and not any("rows_norm_linear" in t for t in targets)
     assert torch.equal(got, fn(x, w))
@@ -409,7 +410,7 @@ def test_recompute_option_keeps_fewer_gemm_inputs_with_the_same_values_and_gradi
     results = {}
     for choice in ("keep", "gelu", "all"):
         leaves = [t.clone().requires_grad_() for t in (x, *params)]
-        with options.override(recompute=choice, eager_autograd="python"):
+        with options.override(recompute=choice, norm_affine="rows", eager_autograd="python"):
             out, kept = _saved_for_backward(mlp, *leaves)
         out.float().square().sum().backward()
         results[choice] = ([out.detach().float()] + [t.grad for t in leaves], kept)
@@ -460,7 +461,7 @@ def test_recompute_choices_name_what_the_compiled_backward_recomputes(monkeypatc
     norm output (``out_proj``'s input), the other normalised inputs (``in_proj``, ``fc1``)."""
     from gspn2.layers import pointwise
 
-    marked = {"keep": set(), "auto": {"gelu"}, "gelu": {"gelu"}, "act": {"gelu", "silu"},
+    marked = {"keep": set(), "auto": {"gelu", "silu"}, "gelu": {"gelu"}, "act": {"gelu", "silu"},
               "gate": {"gelu", "silu", "gate"}, "all": {"gelu", "silu", "gate", "norm"}}
     assert set(marked) == set(options._CHOICES["recompute"])
     what = ("gelu", "silu", "gate", "norm")
@@ -489,7 +490,7 @@ def test_recompute_all_norm_linear_chunks_and_gate(chunks, gated, choice):
     results = {}
     for setting in ("keep", choice):
         leaves = [t.clone().requires_grad_() for t in tensors]
-        with options.override(recompute=setting, eager_autograd="python"):
+        with options.override(recompute=setting, norm_affine="rows", eager_autograd="python"):
             torch._dynamo.reset()
             outs = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
         sum(o.float().square().sum() for o in outs).backward()
@@ -545,6 +546,27 @@ def test_norm_affine_folded_into_the_gemm_is_the_same_function():
         assert [t.dtype for t in results[mode][2:]] == [torch.float32] * 5
     for got, want in zip(results["weight"], results["rows"]):  # bf16 rounding of the tensor's largest values
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_norm_affine_auto_folds_under_torch_compile_only(monkeypatch):
+    """``norm_affine="auto"``: norm_linear folds the norm's weight and bias into the GEMM's while
+    torch.compile traces (where it measured faster) and keeps them on the rows eagerly; ``weight`` folds and
+    ``rows`` keeps in both."""
+    from gspn2.layers import pointwise
+
+    decided = []
+    real = pointwise._folds_norm_affine
+    monkeypatch.setattr(pointwise, "_folds_norm_affine", lambda: decided.append(real()) or decided[-1])
+    x, nw, nb, w, b = (torch.randn(*s) for s in ((8, 6), (6,), (6,), (4, 6), (4,)))
+    for choice, eager, compiled in (("auto", False, True), ("weight", True, True), ("rows", False, False)):
+        with options.override(norm_affine=choice, recompute="keep", eager_autograd="python"):
+            want = norm_linear(x, nw, nb, 1e-6, w, b, 1)[0]
+            torch._dynamo.reset()
+            got = torch.compile(lambda *a: norm_linear(*a, 1e-6, w, b, 1)[0], backend="aot_eager",
+                                fullgraph=True)(x.clone().requires_grad_(), nw, nb)
+        assert decided == [eager, compiled], choice
+        decided.clear()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("choice", ["auto", "all"])
