@@ -220,8 +220,8 @@ class ChunkedConv1x1(Conv1x1):
         return outs
 
 
-# ``auto`` is ``act``: compiled gspn2_tiny trains with a 0.56 GB lower peak than with ``gelu`` (0.95x Swin-T's)
-# and no slower (docs/benchmarks.md, "The compiled training defaults, measured").
+# ``auto`` is ``act``: compiled gspn2_tiny trains with a 0.56 GB lower peak than with ``gelu`` (0.95x
+# Swin-T's) and no slower (docs/benchmarks.md, "The compiled training defaults, measured").
 _RECOMPUTED = {
     "auto": ("gelu", "silu"),
     "gelu": ("gelu",),
@@ -689,8 +689,8 @@ def norm_linear(
     ``recompute="all"`` it is plain ops whose GEMM inputs (the normalised, gated ``x``) are recomputed in
     backward whatever AOTAutograd's partitioner would keep. Otherwise, without a gate, under
     ``torch.compile`` (option ``norm_affine``: ``auto``, or ``weight`` also eagerly), the norm's weight and
-    bias are folded into the GEMM's (:class:`_FoldedNormLinear`). With ``residual`` (one chunk, only while :func:`residual_in_gemm`) the
-    result is ``residual + scale * linear`` as :func:`gelu_linear` computes it.
+    bias are folded into the GEMM's (:class:`_FoldedNormLinear`). With ``residual`` (one chunk, only while
+    :func:`residual_in_gemm`) the result is ``residual + scale * linear`` as :func:`gelu_linear` computes it.
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
     None, ``gate (N, C)`` or None, ``residual (N, out)`` or None, ``residual_scale (B,)`` or None ``->``
