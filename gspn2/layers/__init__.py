@@ -16,7 +16,6 @@ from gspn2.layers.pointwise import (
     gelu_linear,
     norm_linear,
     recomputed_silu,
-    residual_in_gemm,
     rows_linear,
     to_rows,
 )
@@ -33,7 +32,6 @@ __all__ = [
     "layer_norm_last_dim",
     "norm_linear",
     "recomputed_silu",
-    "residual_in_gemm",
     "rows_linear",
     "to_rows",
 ]

@@ -32,13 +32,7 @@ class PointwiseMlp(nn.Module):
         self.act = nn.GELU()
         self.fc2 = Conv1x1(hidden_features, in_features)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        norm: Optional[NormParams] = None,
-        residual: Optional[torch.Tensor] = None,
-        residual_scale: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: Optional[NormParams] = None) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``: the MLP of ``x``, module by module.
 
         With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the MLP of the
@@ -46,18 +40,12 @@ class PointwiseMlp(nn.Module):
         (:func:`~gspn2.layers.norm_linear`) and GELU into ``fc2`` (:func:`~gspn2.layers.gelu_linear`),
         which keep only the norm's input and the ``(hidden)`` pre-activation for backward. ``fc1`` and
         ``fc2`` are then not called (their forward hooks do not run). Not for ``torch.fx``,
-        ``torch.jit.trace`` or TorchScript (:mod:`gspn2.layers._trace`). With ``residual`` (only under
-        :func:`~gspn2.layers.residual_in_gemm`), ``residual + residual_scale * mlp(x)`` from ``fc2``'s GEMM
-        (``residual_scale``: ``None`` or one factor per sample, ``(B,)``).
+        ``torch.jit.trace`` or TorchScript (:mod:`gspn2.layers._trace`).
         """
         if norm is None:
-            if residual is not None:
-                return self.fc2.forward_residual(self.act(self.fc1(x)), residual, residual_scale)
             return self.fc2(self.act(self.fc1(x)))
         B, _, H, W = x.shape
         norm_weight, norm_bias, eps = norm
         w1, b1 = self.fc1.weight.flatten(1), self.fc1.bias
-        h = norm_linear(to_rows(x), norm_weight, norm_bias, eps, w1, b1, 1, None, None, None)[0]
-        res = to_rows(residual) if residual is not None else None
-        out = gelu_linear(h, self.fc2.weight.flatten(1), self.fc2.bias, res, residual_scale)
-        return from_rows(out, B, H, W)
+        h = norm_linear(to_rows(x), norm_weight, norm_bias, eps, w1, b1, chunks=1, gate=None)[0]
+        return from_rows(gelu_linear(h, self.fc2.weight.flatten(1), self.fc2.bias), B, H, W)

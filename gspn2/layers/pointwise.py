@@ -43,8 +43,7 @@ from gspn2.ops.norm_backward import triton_available as _norm_triton_available
 
 __all__ = [
     "POINTWISE_MAX_IN", "ChunkedConv1x1", "Conv1x1", "NormParams", "cpp_ops_available", "from_rows",
-    "gelu_linear", "norm_linear", "recomputed_silu", "residual_in_gemm", "rows_linear", "scale_rows",
-    "to_rows",
+    "gelu_linear", "norm_linear", "recomputed_silu", "rows_linear", "to_rows",
 ]
 
 #: ``(weight, bias, eps)`` of a LayerNorm over the channels that a block fuses into the next GEMM
@@ -81,11 +80,6 @@ def _rows_call(name: str, *args):
     if direct is not None and _cuda.direct_call_allowed(args):
         return direct(*args)
     return op(*args)
-
-
-def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a GEMM of ``x`` computes in: the autocast dtype where autocast is on, else ``x.dtype``."""
-    return torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
 
 
 def _use_cpp() -> bool:
@@ -161,28 +155,6 @@ class Conv1x1(nn.Conv2d):
         # weight.flatten(1): (out, in), a view of the (out, in, 1, 1) parameter.
         return from_rows(F.linear(to_rows(x), self.weight.flatten(1), self.bias), B, H, W)
 
-    @torch.jit.unused
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor, residual_scale: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        """``residual + residual_scale * self(x)`` with the residual as the GEMM's input matrix and the bias
-        an input column (only while :func:`residual_in_gemm`; forward hooks do not run). ``residual_scale``:
-        ``None`` or one factor per sample, ``(B,)``, applied to the GEMM's input rows.
-
-        Shapes: ``x (B, in, H, W)``, ``residual (B, out, H, W)`` ``-> (B, out, H, W)``.
-        """
-        B, _, H, W = x.shape
-        rows, res, weight = to_rows(x), to_rows(residual), self.weight.flatten(1)
-        _check_residual(res, rows, weight, residual_scale)
-        dt = _gemm_dtype(x)
-        if res.dtype != dt:  # as ``+`` would promote
-            out = scale_rows(F.linear(rows, weight, self.bias), residual_scale)
-            return residual + from_rows(out, B, H, W)
-        with autocast_off(x.device.type):
-            rows, weight, bias = rows.to(dt), weight.to(dt), _cast(self.bias, dt)
-            m = _with_ones(rows, residual_scale) if bias is not None else scale_rows(rows, residual_scale)
-            return from_rows(_residual_linear(res, m, weight, bias), B, H, W)
-
 
 class ChunkedConv1x1(Conv1x1):
     """A :class:`Conv1x1` whose output comes as a list of ``out_chunks`` tensors, each from its own GEMM.
@@ -257,48 +229,6 @@ def recomputed_silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
 
 
-#: Input columns a GEMM with the residual as its input matrix appends for its bias: a column of ones, then
-#: zeros, so that 16-bit rows stay 16-byte aligned (:func:`residual_in_gemm`).
-_BIAS_COLUMNS = 8
-
-
-def residual_in_gemm() -> bool:
-    """Whether the blocks' residual sums go into the GEMM before them (``torch.addmm(x, m, weight.t())``)
-    instead of a kernel of their own: under ``torch.compile`` with the option ``residual="gemm"``
-    (:mod:`gspn2.ops.options`)."""
-    return torch.compiler.is_compiling() and _options.current().residual == "gemm"
-
-
-def _with_ones(m: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``(N, K) -> (N, K + 8)``: ``m``, a column of ones and seven of zeros (the bias's input column); with
-    ``scale``, one factor per sample ``(B,)``, each sample's ``N / B`` rows times its factor."""
-    col = (torch.arange(_BIAS_COLUMNS, device=m.device) == 0).to(m.dtype)
-    return scale_rows(torch.cat([m, col.expand(m.shape[0], _BIAS_COLUMNS)], dim=1), scale)
-
-
-def scale_rows(m: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``m (N, K)`` with each sample's ``N / B`` consecutive rows times its factor of ``scale (B,)``."""
-    if scale is None:
-        return m
-    return (m.view(scale.shape[0], -1, m.shape[1]) * scale.view(-1, 1, 1)).view(m.shape)
-
-
-def _with_bias(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``(out, K), (out,) -> (out, K + 8)``: ``weight``, the bias and seven zero columns (for
-    :func:`_with_ones` inputs)."""
-    zeros = weight.new_zeros(weight.shape[0], _BIAS_COLUMNS - 1)
-    return torch.cat([weight, bias[:, None].to(weight.dtype), zeros], dim=1)
-
-
-def _residual_linear(residual: torch.Tensor, m: torch.Tensor, weight: torch.Tensor,
-                     bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``residual + F.linear(m, weight, bias)`` as one ``addmm``: the residual is its input matrix and, with a
-    bias, ``m`` has the bias's input columns (:func:`_with_ones`, its sample factors applied)."""
-    if bias is None:
-        return torch.addmm(residual, m, weight.t())
-    return torch.addmm(residual, m, _with_bias(weight, bias).t())
-
-
 class _GeluLinear(torch.autograd.Function):
     """``F.linear(F.gelu(h), weight, bias)`` saving ``h`` only; ``gelu(h)`` is recomputed in backward."""
 
@@ -327,15 +257,8 @@ class _GeluLinear(torch.autograd.Function):
 # blocks never reach (gspn2.layers._trace). The stubs keep no defaults: scripted callers pass every
 # argument.
 @torch.jit.unused
-def gelu_linear(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    residual: Optional[torch.Tensor] = None,
-    residual_scale: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """``F.linear(F.gelu(h), weight, bias) [* scale + residual]`` that keeps only ``h`` for backward (not also
-    ``gelu(h)``).
+def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(F.gelu(h), weight, bias)`` that keeps only ``h`` for backward (not also ``gelu(h)``).
 
     Computed in ``h.dtype`` (under autocast ``h`` is already the autocast dtype): ``weight`` and ``bias``
     are cast to it, and their gradients come back in their own dtypes, as they would through autocast.
@@ -344,25 +267,9 @@ def gelu_linear(
     autograd function of plain ops (GELU its own kernel), which eagerly is the C++ op
     ``gspn2::rows_gelu_linear`` (module docstring). Under ``torch.compile`` the option ``recompute`` (``gelu``
     or ``all``) has ``gelu(h)`` recomputed in backward whatever AOTAutograd's partitioner would keep.
-    With ``residual`` (only while :func:`residual_in_gemm`) the result is ``residual + scale * linear``,
-    ``scale`` (``residual_scale``, optional) a factor per sample (stochastic depth's), applied to the GEMM's
-    input rows; the residual is the GEMM's input matrix (``torch.addmm``) and the bias an input column.
 
-    Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None, ``residual (N, out)`` or None,
-    ``residual_scale (B,)`` or None (``B`` dividing ``N``) ``-> (N, out)``.
+    Shapes: ``h (N, in)``, ``weight (out, in)``, ``bias (out,)`` or None ``-> (N, out)``.
     """
-    if residual is not None:
-        _check_residual(residual, h, weight, residual_scale)
-        w, b = weight.to(h.dtype), _cast(bias, h.dtype)
-        if residual.dtype != h.dtype or _options.current().mlp == "fused":
-            # A wider residual (as ``+`` would promote), or the fused op's GEMMs: the sum on its own.
-            return residual + scale_rows(gelu_linear(h, weight, bias), residual_scale)
-        with autocast_off(h.device.type):
-            args = (h, b is not None, residual_scale)
-            m = _recomputed(_gelu_input, *args) if _recomputes("gelu") else _gelu_input(*args)
-            return _residual_linear(residual, m, w, b)
-    if residual_scale is not None:
-        raise ValueError("`residual_scale` goes with `residual`")
     if _options.current().mlp == "fused":
         return _gelu_linear_op(h, weight.to(h.dtype), _cast(bias, h.dtype))
     if _use_cpp():
@@ -371,31 +278,6 @@ def gelu_linear(
         with autocast_off(h.device.type):
             return F.linear(_recomputed(F.gelu, h), weight.to(h.dtype), _cast(bias, h.dtype))
     return _GeluLinear.apply(h, weight.to(h.dtype), _cast(bias, h.dtype))
-
-
-def _gelu_input(h: torch.Tensor, ones: bool, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """The input of :func:`gelu_linear`'s GEMM with the residual: ``gelu(h)``, the bias's input columns when
-    ``ones``, the sample factors."""
-    return _with_ones(F.gelu(h), scale) if ones else scale_rows(F.gelu(h), scale)
-
-
-def _check_residual(
-    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor]
-) -> None:
-    """A residual for a GEMM's input matrix: only under :func:`residual_in_gemm`, ``(N, out)``; its factors
-    ``(B,)`` with ``B`` dividing ``N``."""
-    if not residual_in_gemm():
-        raise ValueError("`residual` is taken only under torch.compile with the option residual='gemm'")
-    if residual.shape != (x.shape[0], weight.shape[0]):
-        raise ValueError(
-            f"`residual` must have shape {(x.shape[0], weight.shape[0])} (rows, outputs), "
-            f"got {tuple(residual.shape)}"
-        )
-    if scale is not None and (scale.dim() != 1 or scale.shape[0] == 0 or x.shape[0] % scale.shape[0] != 0):
-        raise ValueError(
-            f"`residual_scale` must be one factor per sample, (B,) with B dividing {x.shape[0]} rows, "
-            f"got {tuple(scale.shape)}"
-        )
 
 
 class _RowsLinear(torch.autograd.Function):
@@ -456,7 +338,8 @@ def rows_linear(
     """
     if (skip_input is None) != (skip_scale is None):
         raise ValueError("rows_linear: `skip_input` and `skip_scale` go together (both or neither)")
-    dt = _gemm_dtype(x)
+    device_type = x.device.type
+    dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
         return _rows_call("rows_linear", x, weight, bias, skip_input, skip_scale, dt)
     if skip_input is not None and skip_scale is not None:
@@ -471,7 +354,7 @@ class _NormLinear(torch.autograd.Function):
     :func:`~gspn2.ops.norm_gate_backward`."""
 
     @staticmethod
-    def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, residual, scale):
+    def forward(ctx, x, gate, norm_weight, norm_bias, weight, bias, eps, chunks):
         ctx.norm_kernel = _use_layer_norm_kernel(x)
         with autocast_off(x.device.type):
             n, mean, rstd = _row_norm(x, norm_weight, norm_bias, eps, ctx.norm_kernel)
@@ -482,19 +365,14 @@ class _NormLinear(torch.autograd.Function):
             # does not split it again.
             weights = weight.chunk(chunks) if chunks > 1 else (weight,)
             biases = (bias.chunk(chunks) if chunks > 1 else (bias,)) if bias is not None else (None,) * chunks
-            if residual is not None:  # one chunk
-                mm = _with_ones(m, scale) if bias is not None else scale_rows(m, scale)
-                outs = (_residual_linear(residual, mm, weight, bias),)
-            else:
-                outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
-        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, scale, *weights)
+            outs = tuple(F.linear(m, w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(x, gate, norm_weight, norm_bias, mean, rstd, *weights)
         ctx.eps, ctx.chunks, ctx.has_bias = eps, chunks, bias is not None
-        ctx.residual = residual is not None
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, gate, norm_weight, norm_bias, mean, rstd, scale, *weights = ctx.saved_tensors
+        x, gate, norm_weight, norm_bias, mean, rstd, *weights = ctx.saved_tensors
         weight = weights[0]  # dtype and device of all chunks
         need = ctx.needs_input_grad
         grad_x = grad_gate = grad_nw = grad_nb = grad_w = grad_b = None
@@ -502,31 +380,23 @@ class _NormLinear(torch.autograd.Function):
                  for g, g_shape in zip(grad_outs, [(x.shape[0], w.shape[0]) for w in weights])]
         if (gate is not None and ctx.chunks == 1 and norm_weight is not None and norm_bias is not None
                 and _fused_norm_backward(x)):
-            return _NormLinear._fused_backward(
-                ctx, grads[0], x, gate, norm_weight, norm_bias, mean, rstd, weight, scale
-            )
-        # The residual's gradient is the output's.
-        grad_res = grads[0] if ctx.residual and need[8] else None
+            return _NormLinear._fused_backward(ctx, grads[0], x, gate, norm_weight, norm_bias, mean, rstd, weight)
         with autocast_off(x.device.type):
             # The same kernel on the same input as in forward: bitwise the forward's normalised x.
             n = _row_norm(x, norm_weight, norm_bias, ctx.eps, ctx.norm_kernel)[0]
             m0 = n.to(weight.dtype)
             s = F.silu(gate) if gate is not None else None
-            if ctx.residual and ctx.has_bias and (need[4] or need[5]):
-                # The forward's GEMM had the bias as an input column: both gradients from one GEMM.
-                grad_wb = grads[0].t() @ _with_ones(m0 * s if s is not None else m0, scale)
-                grad_w, grad_b = grad_wb[:, : weight.shape[1]], grad_wb[:, weight.shape[1]]
-            elif need[4]:
-                m = scale_rows(m0 * s if s is not None else m0, scale)
+            if need[4]:
+                m = m0 * s if s is not None else m0
                 grad_w = torch.cat([g.t() @ m for g in grads]) if ctx.chunks > 1 else grads[0].t() @ m
-            if ctx.has_bias and need[5] and not ctx.residual:
+            if ctx.has_bias and need[5]:
                 grad_b = torch.cat([g.sum(0) for g in grads]) if ctx.chunks > 1 else grads[0].sum(0)
             if need[0] or need[1] or need[2] or need[3]:
                 # The chunks' input gradients are summed in x's dtype, as autograd sums the gradients of
                 # the per-GEMM casts of the unfused path.
                 grad_n = None
                 for g, w in zip(grads, weights):
-                    grad_m = scale_rows(g @ w, scale)
+                    grad_m = g @ w
                     if s is not None:
                         if need[1]:  # the gate multiplies every chunk's input: sum over chunks
                             gg = torch.ops.aten.silu_backward(grad_m * m0, gate)
@@ -548,24 +418,23 @@ class _NormLinear(torch.autograd.Function):
                         grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
                             grad_n, x, (x.shape[-1],), mean, rstd, norm_weight, norm_bias, [need[0], need[2], need[3]]
                         )
-        return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None, grad_res, None
+        return grad_x, grad_gate, grad_nw, grad_nb, grad_w, grad_b, None, None
 
     @staticmethod
-    def _fused_backward(ctx, grad_out, x, gate, norm_weight, norm_bias, mean, rstd, weight, scale):
+    def _fused_backward(ctx, grad_out, x, gate, norm_weight, norm_bias, mean, rstd, weight):
         """The gated norm's backward as one :func:`~gspn2.ops.norm_gate_backward` between the two GEMMs: the
         input gradient of the GEMM, then the op (which also recomputes the GEMM's input for its weight
         gradient)."""
         need = ctx.needs_input_grad
         with autocast_off(x.device.type):
-            grad_m = scale_rows(grad_out @ weight, scale)
+            grad_m = grad_out @ weight
             grad_x, grad_gate, grad_nw, grad_nb, m = norm_gate_backward(
                 grad_m, x, gate, mean.reshape(-1), rstd.reshape(-1), norm_weight, norm_bias
             )
-            grad_w = grad_out.t() @ scale_rows(m, scale) if need[4] else None
-            grad_b = scale_rows(grad_out, scale).sum(0) if ctx.has_bias and need[5] else None
+            grad_w = grad_out.t() @ m if need[4] else None
+            grad_b = grad_out.sum(0) if ctx.has_bias and need[5] else None
         return (grad_x if need[0] else None, grad_gate if need[1] else None, grad_nw if need[2] else None,
-                grad_nb if need[3] else None, grad_w, grad_b, None, None,
-                grad_out if ctx.residual and need[8] else None, None)
+                grad_nb if need[3] else None, grad_w, grad_b, None, None)
 
 
 class _FoldedNormLinear(torch.autograd.Function):
@@ -674,8 +543,6 @@ def norm_linear(
     bias: Optional[torch.Tensor],
     chunks: int = 1,
     gate: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None,
-    residual_scale: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
     """``F.linear(layer_norm(x) [* F.silu(gate)], weight, bias).chunk(chunks, dim=-1)``, keeping only ``x``
     (with the norm's per-row statistics) and ``gate`` for backward.
@@ -689,35 +556,23 @@ def norm_linear(
     ``recompute="all"`` it is plain ops whose GEMM inputs (the normalised, gated ``x``) are recomputed in
     backward whatever AOTAutograd's partitioner would keep. Otherwise, without a gate, under
     ``torch.compile`` (option ``norm_affine``: ``auto``, or ``weight`` also eagerly), the norm's weight and
-    bias are folded into the GEMM's (:class:`_FoldedNormLinear`). With ``residual`` (one chunk, only while
-    :func:`residual_in_gemm`) the result is ``residual + scale * linear`` as :func:`gelu_linear` computes it.
+    bias are folded into the GEMM's (:class:`_FoldedNormLinear`).
 
     Shapes: ``x (N, C)``, ``norm_weight, norm_bias (C,)`` or None, ``weight (out, C)``, ``bias (out,)`` or
-    None, ``gate (N, C)`` or None, ``residual (N, out)`` or None, ``residual_scale (B,)`` or None ``->``
-    ``chunks`` tensors ``(N, out / chunks)``.
+    None, ``gate (N, C)`` or None ``->`` ``chunks`` tensors ``(N, out / chunks)``.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or weight.shape[0] % chunks != 0:
         raise ValueError(f"`chunks` must be a positive int dividing {weight.shape[0]} outputs, got {chunks!r}")
-    dt = _gemm_dtype(x)
-    if residual is not None:
-        if chunks != 1:
-            raise ValueError(f"`residual` takes one chunk, got chunks={chunks}")
-        _check_residual(residual, x, weight, residual_scale)
-        if residual.dtype != dt:  # as ``+`` would promote
-            out = norm_linear(x, norm_weight, norm_bias, eps, weight, bias, 1, gate)[0]
-            return [residual + scale_rows(out, residual_scale)]
-    elif residual_scale is not None:
-        raise ValueError("`residual_scale` goes with `residual`")
+    device_type = x.device.type
+    dt = torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
     if _use_cpp():
         return _rows_call(
             "rows_norm_linear",
             x, gate, norm_weight, norm_bias, weight, bias, eps, chunks, dt, _use_layer_norm_kernel(x)
         )
     if _recomputes("gate" if gate is not None else "norm"):
-        return _norm_linear_recomputed(
-            x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual, residual_scale
-        )
-    if gate is None and residual is None and _folds_norm_affine():
+        return _norm_linear_recomputed(x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt)
+    if gate is None and _folds_norm_affine():
         return list(_FoldedNormLinear.apply(x, norm_weight, norm_bias, weight, bias, eps, chunks, dt))
     nw, nb = _norm_params(x, norm_weight, norm_bias)
     outs = _NormLinear.apply(
@@ -729,8 +584,6 @@ def norm_linear(
         _cast(bias, dt),
         eps,
         chunks,
-        residual,
-        residual_scale,
     )
     return list(outs)
 
@@ -744,8 +597,7 @@ def _folds_norm_affine() -> bool:
 
 
 def _norm_gate(
-    x, gate, norm_weight, norm_bias, eps: float, dt: torch.dtype, chunks: int, ones: bool = False,
-    scale: Optional[torch.Tensor] = None,
+    x, gate, norm_weight, norm_bias, eps: float, dt: torch.dtype, chunks: int
 ) -> Tuple[torch.Tensor, ...]:
     """The GEMM input of :class:`_NormLinear`, computed as its forward computes it: ``layer_norm(x)`` in
     ``x.dtype``, cast to ``dt``, times ``silu(gate)`` when there is a gate; once per chunk (a cast each, so
@@ -756,22 +608,17 @@ def _norm_gate(
         else:
             n = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
         s = F.silu(gate) if gate is not None else None
-        ms = tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
-        return tuple(_with_ones(m, scale) if ones else scale_rows(m, scale) for m in ms)
+        return tuple(n.to(dt) * s if s is not None else n.to(dt) for _ in range(chunks))
 
 
 def _norm_linear_recomputed(
-    x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt, residual=None, scale=None
+    x, gate, norm_weight, norm_bias, eps, weight, bias, chunks, dt
 ) -> List[torch.Tensor]:
     """:func:`norm_linear` as plain ops for ``torch.compile`` with the GEMM inputs (the normalised, gated
     ``x``) marked for recomputation in backward (:func:`_recomputed`)."""
     nw, nb = _norm_params(x, norm_weight, norm_bias)
-    ones = residual is not None and bias is not None
-    ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks, ones, scale)
+    ms = _recomputed(_norm_gate, x, _cast(gate, dt), nw, nb, eps, dt, chunks)
     w, b = weight.to(dt), _cast(bias, dt)
-    if residual is not None:
-        with autocast_off(x.device.type):
-            return [_residual_linear(residual, ms[0], w, b)]
     biases = b.chunk(chunks) if b is not None else (None,) * chunks
     with autocast_off(x.device.type):
         return [F.linear(m, wc, bc) for m, wc, bc in zip(ms, w.chunk(chunks), biases)]

@@ -58,15 +58,12 @@ from gspn2.layers import (
     from_rows,
     norm_linear,
     recomputed_silu,
-    residual_in_gemm,
     rows_linear,
     to_rows,
 )
 from gspn2.layers._trace import fused_training
-from gspn2.layers.pointwise import scale_rows
 from gspn2.ops import depthwise_conv2d, gspn_propagate, merge_norm_gate
 from gspn2.ops import options as _options
-from gspn2.ops._amp import autocast_enabled
 
 __all__ = ["GSPN2", "GSPN2Block", "GSPN2Mixer", "GSPN2Stage", "LocalPerceptionUnit"]
 
@@ -271,26 +268,18 @@ class GSPN2Mixer(nn.Module):
         self.norm = LayerNorm2d(hidden)
         self.out_proj = Conv1x1(hidden, dim)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        norm: Optional[NormParams] = None,
-        residual: Optional[torch.Tensor] = None,
-        residual_scale: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: Optional[NormParams] = None) -> torch.Tensor:
         """``(B, C, H, W) -> (B, C, H, W)``: the mixer of ``x``, calling its modules.
 
         With ``norm``, the ``(weight, bias, eps)`` of a LayerNorm over the channels, the mixer of the
-        normalised ``x`` in the training formulation (:meth:`forward_fused`). With ``residual`` (only under
-        :func:`~gspn2.layers.residual_in_gemm`), ``residual + residual_scale * mixer`` from ``out_proj``'s
-        GEMM (``residual_scale``: ``None`` or one factor per sample, ``(B,)``).
+        normalised ``x`` in the training formulation (:meth:`forward_fused`).
 
         1x1 convolutions are GEMMs on channels-last rows with the bias in the GEMM, ``v`` comes out of its
         own GEMM already contiguous for the depthwise convolution, the skip is one ``addcmul`` and the
         LayerNorm stays in the activation dtype.
         """
         if norm is not None:
-            return self.forward_fused(x, norm, residual, residual_scale)
+            return self.forward_fused(x, norm)
         P, D = self.proxy_dim, self.num_directions
         v, z = self.in_proj(x)  # (B, E, H, W) each, channels_last memory
         v = depthwise_conv(v, self.conv_dw.weight, self.conv_dw.bias, silu=True)  # SiLU fused in inference
@@ -301,8 +290,6 @@ class GSPN2Mixer(nn.Module):
         y = (u.unflatten(1, (D, P)) * h).flatten(1, 2)  # (B, 4P, H, W)
         y = torch.addcmul(self.proj_up(y), v, self.skip.view(1, -1, 1, 1).to(v.dtype))
         # The scan's scale grows with the image: normalise before gating.
-        if residual is not None:
-            return self.out_proj.forward_residual(self.norm(y) * self.act(z), residual, residual_scale)
         return self.out_proj(self.norm(y) * self.act(z))
 
     def _scan(self, xp: torch.Tensor, lam: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -315,13 +302,7 @@ class GSPN2Mixer(nn.Module):
         return propagate(xp.contiguous(), lam, gates, self.chunk)
 
     @torch.jit.unused
-    def forward_fused(
-        self,
-        x: torch.Tensor,
-        norm: NormParams,
-        residual: Optional[torch.Tensor] = None,
-        residual_scale: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, norm: NormParams) -> torch.Tensor:
         """The mixer of ``LayerNorm(x)`` (``norm``: its ``(weight, bias, eps)``) in the training formulation.
 
         The norm and ``in_proj``, and the output gate ``self.norm(y) * silu(z)`` and ``out_proj``, are each one
@@ -356,17 +337,9 @@ class GSPN2Mixer(nn.Module):
                 uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip, self.norm.weight,
                 self.norm.bias, self.norm.eps, z_rows,
             )
-            out = rows_linear(m, w, b)
-            if residual is None:
-                return from_rows(out, B, H, W)
-            scale = residual_scale.to(out.dtype) if residual_scale is not None else None
-            return residual + from_rows(scale_rows(out, scale), B, H, W)
+            return from_rows(rows_linear(m, w, b), B, H, W)
         y = rows_linear(uh, self.proj_up.weight.flatten(1), self.proj_up.bias, v_rows, self.skip)  # + v * skip
-        res = to_rows(residual) if residual is not None else None
-        (out,) = norm_linear(
-            y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows, residual=res,
-            residual_scale=residual_scale,
-        )
+        (out,) = norm_linear(y, self.norm.weight, self.norm.bias, self.norm.eps, w, b, chunks=1, gate=z_rows)
         return from_rows(out, B, H, W)
 
 
@@ -428,8 +401,6 @@ class GSPN2Block(nn.Module):
         otherwise, and while a graph recorder runs (:mod:`gspn2.layers._trace`), every module is called.
         """
         x = self.lpu1(x)
-        if self._residuals_in_gemms():
-            return self._forward_residuals_in_gemms(x)
         if fused_training():
             norm1 = (self.norm1.weight, self.norm1.bias, self.norm1.eps)
             x = x + self.drop_path1(self.ls1(self.mixer(x, norm1)))
@@ -439,52 +410,6 @@ class GSPN2Block(nn.Module):
         x = x + self.drop_path1(self.ls1(self.mixer(self.norm1(x))))
         x = self.lpu2(x)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-
-
-    def _residuals_in_gemms(self) -> bool:
-        """Whether this call adds the residuals in the GEMMs that end the branches (:meth:`forward`): under
-        :func:`~gspn2.layers.residual_in_gemm`, with branches that end in a sum the GEMMs can take (no
-        LayerScale, whose float32 factors would widen the sum; timm's ``DropPath`` or none). Always False in
-        TorchScript."""
-        if torch.jit.is_scripting():
-            return False
-        else:
-            return (
-                residual_in_gemm()
-                and all(isinstance(m, nn.Identity) for m in (self.ls1, self.ls2))
-                and all(isinstance(m, (nn.Identity, DropPath)) for m in (self.drop_path1, self.drop_path2))
-            )
-
-    @torch.jit.unused
-    def _forward_residuals_in_gemms(self, x: torch.Tensor) -> torch.Tensor:
-        """The rest of :meth:`forward` after ``lpu1`` with the residual sums in ``out_proj``'s and ``fc2``'s
-        GEMMs, stochastic depth's factors on their input rows; the training formulation where autograd
-        records, the modules otherwise."""
-        fused = fused_training()
-        scale = self._sample_factors(self.drop_path1, x)
-        if fused:
-            x = self.mixer(x, (self.norm1.weight, self.norm1.bias, self.norm1.eps), x, scale)
-        else:
-            x = self.mixer(self.norm1(x), None, x, scale)
-        x = self.lpu2(x)
-        scale = self._sample_factors(self.drop_path2, x)
-        if fused:
-            return self.mlp(x, (self.norm2.weight, self.norm2.bias, self.norm2.eps), x, scale)
-        return self.mlp(self.norm2(x), None, x, scale)
-
-    @torch.jit.unused
-    def _sample_factors(self, drop_path: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Stochastic depth's factors for this call, ``(B,)``, drawn as timm's ``drop_path`` draws them (one
-        Bernoulli per sample, divided by the keep probability), in the branch output's dtype; ``None``
-        where ``drop_path`` passes the branch through."""
-        if not isinstance(drop_path, DropPath) or not drop_path.training or drop_path.drop_prob == 0.0:
-            return None
-        keep = 1.0 - drop_path.drop_prob
-        dt = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else x.dtype
-        factors = x.new_empty((x.shape[0],), dtype=dt).bernoulli_(keep)
-        if keep > 0.0 and drop_path.scale_by_keep:
-            factors.div_(keep)
-        return factors
 
 
 class GSPN2Stage(nn.Module):

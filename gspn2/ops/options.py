@@ -65,11 +65,6 @@ environment         option                               values
                                                          rows only); ``auto``: ``weight`` under
                                                          ``torch.compile`` (measured faster), ``rows``
                                                          eagerly
-``GSPN2_``          ``residual``: under                  ``auto`` / ``add``: the branch's last GEMM,
-``RESIDUAL``        ``torch.compile``, where the blocks' then the sum in its own kernel; ``gemm``: the
-                    residual sums (``x + mixer(x)``,     residual is the GEMM's input matrix
-                    ``x + mlp(x)``) are added            (``addmm``) and the bias an extra input column
-                                                         of ones (fewer kernels, measured slower)
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
@@ -110,7 +105,6 @@ __all__ = [
     "NORM_BACKWARD_ENV",
     "SMALL_GEMM_ENV",
     "RECOMPUTE_ENV",
-    "RESIDUAL_ENV",
     "Options",
     "backend",
     "current",
@@ -133,7 +127,6 @@ EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 LAYER_NORM_ENV = "GSPN2_LAYER_NORM"
 SMALL_GEMM_ENV = "GSPN2_SMALL_GEMM"
 RECOMPUTE_ENV = "GSPN2_RECOMPUTE"
-RESIDUAL_ENV = "GSPN2_RESIDUAL"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster", "short")
@@ -157,7 +150,6 @@ _CHOICES = {
     "layer_norm": ("auto", "cuda", "aten"),
     "small_gemm": ("auto", "gemm", "pointwise"),
     "recompute": ("auto", "keep", "gelu", "act", "gate", "all"),
-    "residual": ("auto", "add", "gemm"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {
@@ -173,7 +165,6 @@ _ENV = {
     "layer_norm": LAYER_NORM_ENV,
     "small_gemm": SMALL_GEMM_ENV,
     "recompute": RECOMPUTE_ENV,
-    "residual": RESIDUAL_ENV,
 }
 
 
@@ -195,7 +186,6 @@ class Options:
     layer_norm: str = "auto"
     small_gemm: str = "auto"
     recompute: str = "auto"
-    residual: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
