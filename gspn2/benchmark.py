@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from gspn2 import inductor
 from gspn2.ops.dwconv import FAMILIES
 from gspn2.ops.options import DWCONV_TILE_COLS
 
@@ -267,7 +268,7 @@ def model_step(
         raise ValueError(f"`task` must be 'infer' or 'train', got {task!r}")
     train = task == "train"
     model = model_at(name, resolution).to(device).train(train).to(memory_format=torch.channels_last)
-    fwd = torch.compile(model, mode=compile_mode) if compile_mode is not None else model
+    fwd = inductor.compile(model, mode=compile_mode) if compile_mode is not None else model
     if not train:
         x = torch.randn(batch, 3, resolution, resolution, device=device).to(memory_format=torch.channels_last)
 

@@ -363,6 +363,9 @@ def main(argv=None) -> None:
         from gspn2.benchmark import inductor_config
 
         torch._inductor.config.patch(inductor_config(args.inductor)).__enter__()  # one model, then exit
+        from gspn2.inductor import compile_options  # gspn2's pass, as gspn2.inductor.compile applies it
+
+        torch._inductor.config.patch(compile_options() or {}).__enter__()
         import gspn2.models  # noqa: F401  (registers the GSPN-2 models with timm)
 
         result = compile_offline(args.models[0], args.task, args.resolution, batch, args.code_dir)

@@ -21,6 +21,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
+from gspn2 import inductor
 
 
 def operator_table(events) -> tuple[float, list]:
@@ -80,7 +81,7 @@ def main() -> None:
     torch.backends.cudnn.benchmark = True
     model = timm.create_model(args.model, num_classes=1000).cuda().to(memory_format=torch.channels_last)
     model.train(args.task == "train")
-    fwd = torch.compile(model) if args.compile else model
+    fwd = inductor.compile(model) if args.compile else model
     x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device="cuda")
     x = x.to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch_size,), device="cuda")

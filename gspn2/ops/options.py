@@ -65,6 +65,11 @@ environment         option                               values
                                                          rows only); ``auto``: ``weight`` under
                                                          ``torch.compile`` (measured faster), ``rows``
                                                          eagerly
+``GSPN2_ADDMM``     ``addmm``: under ``torch.compile``   ``auto`` / ``fused``: Inductor's graphs as it
+                    through ``gspn2.inductor.compile``,  builds them (``mm(a, b) + m`` as ``addmm``,
+                    the sums of a GEMM and a matrix      which ATen runs as a copy of ``m`` and a GEMM
+                    (``mm(a, b) + m``) that Inductor     with beta 1); ``split``: ``mm`` and ``add``,
+                    writes as ``addmm``                  the add fused into the kernel that reads it
 ``GSPN2_LAYER_``    ``layer_norm``: eager LayerNorms     ``auto``: outside ``torch.compile``, gspn2's
 ``NORM``            over channels on CUDA tensors        LayerNorm kernel (``gspn2.ops.layer_norm``) where
                     (``LayerNorm2d``, the training       it takes the rows, ATen's elsewhere; ``cuda``:
@@ -105,6 +110,7 @@ __all__ = [
     "NORM_BACKWARD_ENV",
     "SMALL_GEMM_ENV",
     "RECOMPUTE_ENV",
+    "ADDMM_ENV",
     "Options",
     "backend",
     "current",
@@ -127,6 +133,7 @@ EAGER_AUTOGRAD_ENV = "GSPN2_EAGER_AUTOGRAD"
 LAYER_NORM_ENV = "GSPN2_LAYER_NORM"
 SMALL_GEMM_ENV = "GSPN2_SMALL_GEMM"
 RECOMPUTE_ENV = "GSPN2_RECOMPUTE"
+ADDMM_ENV = "GSPN2_ADDMM"
 
 #: The propagation kernel families and the CTAs per cluster line the ops accept (also as op arguments).
 KERNELS = ("auto", "fast", "general", "cluster", "short")
@@ -150,6 +157,7 @@ _CHOICES = {
     "layer_norm": ("auto", "cuda", "aten"),
     "small_gemm": ("auto", "gemm", "pointwise"),
     "recompute": ("auto", "keep", "gelu", "act", "gate", "all"),
+    "addmm": ("auto", "fused", "split"),
 }
 _INTS = {"cluster_ctas": CLUSTER_CTAS, "dwconv_tile_cols": DWCONV_TILE_COLS}
 _ENV = {
@@ -165,6 +173,7 @@ _ENV = {
     "layer_norm": LAYER_NORM_ENV,
     "small_gemm": SMALL_GEMM_ENV,
     "recompute": RECOMPUTE_ENV,
+    "addmm": ADDMM_ENV,
 }
 
 
@@ -186,6 +195,7 @@ class Options:
     layer_norm: str = "auto"
     small_gemm: str = "auto"
     recompute: str = "auto"
+    addmm: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

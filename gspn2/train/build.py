@@ -20,6 +20,8 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import dispatch_clip_grad
 
+from gspn2 import inductor
+
 __all__ = [
     "TrainParts",
     "build_model",
@@ -152,7 +154,8 @@ def clip_gradients(model: nn.Module, clip: float, mode: str) -> torch.Tensor | N
 
 
 def compile_model(model: nn.Module, mode: str, lean_memory: bool = False) -> nn.Module:
-    """``torch.compile(model, mode=mode)``; with ``lean_memory`` AOTAutograd's partitioner may recompute the
+    """``torch.compile(model, mode=mode)`` (:func:`gspn2.inductor.compile`: with gspn2's Inductor pass where
+    the option ``addmm`` asks for it); with ``lean_memory`` AOTAutograd's partitioner may recompute the
     pointwise chains that feed the backward's GEMMs instead of keeping their outputs
     (``torch._functorch.config.ban_recompute_materialized_backward = False``, a process-wide setting: lower
     training peak, a few percent slower; docs/benchmarks.md, "Memory").
@@ -164,4 +167,4 @@ def compile_model(model: nn.Module, mode: str, lean_memory: bool = False) -> nn.
         import torch._functorch.config as aot_config
 
         aot_config.ban_recompute_materialized_backward = False
-    return torch.compile(model, mode=mode)
+    return inductor.compile(model, mode=mode)

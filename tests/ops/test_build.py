@@ -170,13 +170,15 @@ def test_options_parse_the_environment_once_and_strictly():
     got = options.from_env(
         {"GSPN2_BACKEND": " Reference ", "GSPN2_KERNEL": "FAST", "GSPN2_DWCONV": "", "GSPN2_MERGE": "Fused",
          "GSPN2_MLP": "SEPARATE", "GSPN2_NORM_BACKWARD": " fused", "GSPN2_EAGER_AUTOGRAD": "Python",
-         "GSPN2_SMALL_GEMM": "GEMM", "GSPN2_RECOMPUTE": "All", "GSPN2_NORM_AFFINE": "Weight"}
+         "GSPN2_SMALL_GEMM": "GEMM", "GSPN2_RECOMPUTE": "All", "GSPN2_NORM_AFFINE": "Weight",
+         "GSPN2_ADDMM": " Split"}
     )
     assert (got.backend, got.kernel, got.dwconv, got.merge, got.mlp, got.norm_backward, got.eager_autograd,
-            got.small_gemm, got.recompute, got.norm_affine) == (
-        "reference", "fast", "auto", "fused", "separate", "fused", "python", "gemm", "all", "weight")
+            got.small_gemm, got.recompute, got.norm_affine, got.addmm) == (
+        "reference", "fast", "auto", "fused", "separate", "fused", "python", "gemm", "all", "weight", "split")
     for var in ("GSPN2_BACKEND", "GSPN2_KERNEL", "GSPN2_DWCONV", "GSPN2_MERGE", "GSPN2_MLP", "GSPN2_NORM_BACKWARD",
-                "GSPN2_EAGER_AUTOGRAD", "GSPN2_SMALL_GEMM", "GSPN2_RECOMPUTE", "GSPN2_NORM_AFFINE"):
+                "GSPN2_EAGER_AUTOGRAD", "GSPN2_SMALL_GEMM", "GSPN2_RECOMPUTE", "GSPN2_NORM_AFFINE",
+                "GSPN2_ADDMM"):
         with pytest.raises(ValueError, match=var):
             options.from_env({var: "nonsense"})
     with pytest.raises(ValueError, match="`kernel`"):
@@ -195,6 +197,8 @@ def test_options_parse_the_environment_once_and_strictly():
         options.set_options(recompute="none")
     with pytest.raises(ValueError, match="`norm_affine`"):
         options.set_options(norm_affine="gemm")
+    with pytest.raises(ValueError, match="`addmm`"):
+        options.set_options(addmm="unfused")
     with pytest.raises(TypeError, match="unknown gspn2 option"):
         options.set_options(kernal="fast")
     with options.override(kernel="general") as o:
