@@ -45,6 +45,7 @@ def backend_info(device: torch.device) -> dict[str, object]:
         "layer_norm": current().layer_norm,
         "small_gemm": current().small_gemm,
         "recompute": current().recompute,
+        "addmm": current().addmm,
         "extension_built": extension_available(),
     }
 
@@ -61,7 +62,8 @@ def describe(info: dict[str, object]) -> str:
         f"GSPN2_NORM_AFFINE={info['norm_affine']}, "
         f"GSPN2_EAGER_AUTOGRAD={info['eager_autograd']}, "
         f"GSPN2_LAYER_NORM={info['layer_norm']}, GSPN2_SMALL_GEMM={info['small_gemm']}, "
-        f"GSPN2_RECOMPUTE={info['recompute']}, extension built: {info['extension_built']}"
+        f"GSPN2_RECOMPUTE={info['recompute']}, GSPN2_ADDMM={info['addmm']}, "
+        f"extension built: {info['extension_built']}"
     )
 
 
