@@ -221,6 +221,38 @@ _NUM_GB = re.compile(r"'kernel_num_gb': ([0-9.eE+-]+)")
 _EXTERN = re.compile(r"\b(extern_kernels\.\w+|torch\.ops\.\w+\.\w+)(?:\.default)?\(")
 #: A sum over a buffer's rows in the wrapper itself (ATen): how a mix-order reduction adds its partial rows.
 _WRAPPER_SUM = re.compile(r"\.sum\(dim=")
+_BUFFER = re.compile(r"\b(\w+) = empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)")
+_VIEW = re.compile(r"\b(\w+) = reinterpret_tensor\((\w+), \(([\d, ]*)\)")
+_REUSE = re.compile(r"\b(\w+) = (\w+); del \w+  # reuse")
+_ADDMM = re.compile(r"extern_kernels\.addmm\((\w+), .*out=(\w+)\)")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def matrix_addmm_bytes(call: str) -> tuple:
+    """``(calls, bytes)`` of the wrapper's ``addmm`` calls whose input is a matrix (a buffer of two
+    dimensions, not a bias vector): ATen runs each as a copy of that matrix into the output and a GEMM with
+    beta 1, which reads and writes it three times more than the GEMM alone (copy read and write, beta read);
+    none of it is in the Triton figures. An input whose shape the wrapper does not declare, or whose dtype
+    neither it nor the call's output declares, is not counted."""
+    shapes = {}
+    for line in call.splitlines():
+        for m in _BUFFER.finditer(line):
+            dims = tuple(int(d) for d in m.group(2).split(",") if d.strip())
+            shapes[m.group(1)] = (dims, _DTYPE_BYTES.get(m.group(3), 0))
+        for m in _VIEW.finditer(line):  # a view of a custom op's output keeps its shape, dtype unknown (0)
+            dims = tuple(int(d) for d in m.group(3).split(",") if d.strip())
+            shapes[m.group(1)] = (dims, shapes.get(m.group(2), ((), 0))[1])
+        for m in _REUSE.finditer(line):
+            if m.group(2) in shapes:
+                shapes[m.group(1)] = shapes[m.group(2)]
+    calls = nbytes = 0
+    for m in _ADDMM.finditer(call):
+        dims, size = shapes.get(m.group(1), ((), 0))
+        size = size or shapes.get(m.group(2), ((), 0))[1]  # addmm's output has its input's dtype
+        if len(dims) == 2 and size:
+            calls += 1
+            nbytes += 3 * dims[0] * dims[1] * size
+    return calls, nbytes
 
 
 def wrapper_calls(code: str) -> dict:
@@ -239,7 +271,10 @@ def wrapper_calls(code: str) -> dict:
     sums = sum(len(_WRAPPER_SUM.findall(line)) for line in lines)
     if sums:
         other["aten.sum (wrapper)"] = sums
-    return {"kernels": kernels, "other": dict(other)}
+    calls, nbytes = matrix_addmm_bytes("\n".join(lines))
+    if calls:
+        other["extern_kernels.addmm with a matrix input"] = calls
+    return {"kernels": kernels, "other": dict(other), "addmm_matrix_gb": nbytes / 1e9}
 
 
 def compile_offline(name: str, task: str, resolution: int, batch: int, code_dir: Path | None = None) -> dict:
@@ -307,6 +342,7 @@ def summary(result: dict, tbps: float) -> dict:
     for g in result["graphs"]:
         other.update(g["other"])
     out["floor_ms"] = (out["forward_gb"] + out["backward_gb"]) / tbps
+    out["addmm_matrix_gb"] = sum(g.get("addmm_matrix_gb", 0.0) for g in result["graphs"])
     out["other"] = dict(sorted(other.items()))
     return out
 
@@ -413,6 +449,9 @@ def main(argv=None) -> None:
               f"{s['backward_gb']:7.2f} {s['floor_ms']:8.2f}")
     for r in results:
         print(f"{r['model']}: " + ", ".join(f"{k} x{n}" for k, n in r["summary"]["other"].items()))
+        if r["summary"]["addmm_matrix_gb"]:
+            print(f"  ATen's copies inside the addmm calls with a matrix input (not in the Triton GB): "
+                  f"{r['summary']['addmm_matrix_gb']:.2f} GB")
         if args.top:
             rows = [(k["gb"], k["launches"], name, g["kind"])
                     for g in r["graphs"] for name, k in g["kernels"].items()]

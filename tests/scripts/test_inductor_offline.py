@@ -81,6 +81,33 @@ def test_wrapper_calls_counts_each_launch_with_its_kernels_bytes():
     assert calls["kernels"] == {"triton_poi_a_0": {"launches": 2, "gb": 1.0},
                                 "triton_per_b_1": {"launches": 1, "gb": 2e-3}}
     assert calls["other"] == {"extern_kernels.mm": 1, "torch.ops.gspn2.propagate": 1, "aten.sum (wrapper)": 1}
+    assert calls["addmm_matrix_gb"] == 0.0
+
+
+def test_addmm_with_a_matrix_input_counts_atens_copy():
+    """``addmm`` with a bias vector costs nothing beyond the GEMM; with a matrix input (a declared buffer, a
+    view of one, a reused one, or a view of a custom op's output whose dtype the call's output gives) ATen
+    copies it into the output and reads it back: three passes over it."""
+    code = "\n".join([
+        "class Runner:",
+        "  def call(self, args):",
+        "    buf0 = empty_strided_cuda((64, 32), (32, 1), torch.bfloat16)",
+        "    buf1 = empty_strided_cuda((32,), (1,), torch.float32)",
+        "    extern_kernels.addmm(buf1, a, b, alpha=1, beta=1, out=buf2)",
+        "    extern_kernels.addmm(buf0, a, b, alpha=1, beta=1, out=buf3)",
+        "    buf4 = buf0; del buf0  # reuse",
+        "    extern_kernels.addmm(buf4, a, b, alpha=1, beta=1, out=buf5)",
+        "    buf6 = buf9[0]",
+        "    buf7 = reinterpret_tensor(buf6, (16, 8), (8, 1), 0); del buf6  # reuse",
+        "    buf8 = empty_strided_cuda((16, 8), (8, 1), torch.float32)",
+        "    extern_kernels.addmm(buf7, c, d, alpha=1, beta=1, out=buf8)",
+        "    extern_kernels.addmm(unknown, c, d, alpha=1, beta=1, out=buf8)",
+    ])
+    with script_module("inductor_offline") as tool:
+        calls = tool.wrapper_calls(code)
+    assert calls["other"]["extern_kernels.addmm"] == 5
+    assert calls["other"]["extern_kernels.addmm with a matrix input"] == 3
+    assert calls["addmm_matrix_gb"] == pytest.approx(3 * (2 * 64 * 32 * 2 + 16 * 8 * 4) / 1e9)
 
 
 def test_bad_arguments_are_refused_before_anything_is_built(capsys):
