@@ -9,6 +9,7 @@ import timm
 import torch
 
 import gspn2  # noqa: F401  (registers the gspn2_* models)
+from gspn2 import inductor
 from gspn2.ops import options
 from tests.models._models import BIG_MODELS
 from tests.models._reference import assert_bf16_close, assert_same, reference, run
@@ -118,6 +119,30 @@ def test_compiled_training_formulation_options_match_the_default(setting):
                 loss = compiled(x).float().square().mean()
         loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-3)
+
+
+def test_addmm_split_trains_the_same_function(monkeypatch):
+    """``addmm="split"``: gspn2.inductor.compile's pass writes the backward's matrix ``addmm`` calls back as
+    ``mm`` + ``add`` (it finds some in gspn2_micro's step), and the compiled bf16 step's loss and every
+    parameter gradient match Inductor's own graphs."""
+    rewritten = []
+    real = inductor.split_matrix_addmm
+    monkeypatch.setattr(inductor, "split_matrix_addmm", lambda graph: rewritten.append(real(graph)) or 0)
+    x = torch.randn(8, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last)
+    results = []
+    for choice in ("fused", "split"):
+        torch.manual_seed(0)
+        model = timm.create_model("gspn2_micro", num_classes=10).cuda().to(memory_format=torch.channels_last)
+        with options.override(addmm=choice):
+            torch._dynamo.reset()
+            compiled = inductor.compile(model, fullgraph=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(x).float().square().mean()
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    assert sum(rewritten) > 0
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-3)
 
