@@ -27,6 +27,7 @@ from timm.optim import create_optimizer_v2
 from torch.nn.parallel import DistributedDataParallel
 
 import gspn2  # noqa: F401  (registers the gspn2_* models with timm)
+from gspn2 import inductor
 from gspn2.train.distributed import all_gather_object, destroy, init_distributed
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -64,7 +65,7 @@ def main() -> None:
     if args.grad_checkpointing:
         model.set_grad_checkpointing(True)
     optimizer = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
-    train_model = torch.compile(model) if args.compile else model
+    train_model = inductor.compile(model) if args.compile else model
     if info.enabled:
         train_model = DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None
