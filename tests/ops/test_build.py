@@ -132,6 +132,9 @@ def test_cluster_kernel_choice():
         assert _cuda.plan(*args)["cluster_ctas"] == 0, args
     for dt in ("float32", "bfloat16", "float16"):
         assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_ctas"] == 8, dt  # <= 128 rows per CTA
+    # The 16-bit backward's CTAs fit two per SM (228 KB of shared memory, 1 KB of it reserved per CTA).
+    for dt in ("bfloat16", "float16"):
+        assert 2 * (_cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_smem_bytes"] + 1024) <= 228 * 1024
     # The backward by problem size: 64 x 2 x 128^2 = 2^21 elements yes, 16 x 2 x 128^2 and 1 x 8 x 256^2 no.
     assert _cuda.plan(64, 2, 128, 128, 2, "float32", backward=True)["cluster_ctas"] == 2
     assert _cuda.plan(32, 49, 32, 32, 49, "float32", backward=True)["cluster_ctas"] == 2
