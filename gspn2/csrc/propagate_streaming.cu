@@ -923,7 +923,8 @@ __device__ __forceinline__ Split split_setup(const PropagateParams& p, float* li
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSplitMaxThreads) gspn_forward_split_kernel(const __grid_constant__ PropagateParams p) {
+__global__ void __launch_bounds__(kSplitMaxThreads)
+    gspn_forward_split_kernel(const __grid_constant__ PropagateParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* const line = reinterpret_cast<float*>(smem);
   const Split sp = split_setup(p, line, fast_line_stride(1, false), 1);
@@ -931,7 +932,8 @@ __global__ void __launch_bounds__(kSplitMaxThreads) gspn_forward_split_kernel(co
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSplitMaxThreads) gspn_backward_split_kernel(const __grid_constant__ PropagateParams p) {
+__global__ void __launch_bounds__(kSplitMaxThreads)
+    gspn_backward_split_kernel(const __grid_constant__ PropagateParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* const ex = reinterpret_cast<float*>(smem);
   const Split sp = split_setup(p, ex, fast_line_stride(1, true), 3);
