@@ -198,9 +198,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
       for (int e = 0; e < EPP; ++e) {
         const int j = pc * EPP + e;               // column j of the tile
         const int t = d == 0 ? j : T - 1 - j;     // d = 1 walks the tile's columns backwards
-        const dev::Gates g = dev::normalise(IO::get(f[2], e), IO::get(f[3], e), IO::get(f[4], e), q, p.H);
+        const dev::Weights g = dev::weights(IO::get(f[2], e), IO::get(f[3], e), IO::get(f[4], e), q, p.H);
         xl[t] = IO::get(f[0], e) * IO::get(f[1], e);
-        w0[t] = g.a0 * g.inv, w1[t] = g.s1 * g.inv, w2[t] = g.a2 * g.inv;
+        w0[t] = g.w0, w1[t] = g.w1, w2[t] = g.w2;
       }
     }
     float* const prev0 = line + par * (nt + 2);
@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
       for (int e = 0; e < EPP; ++e) {
         const int j = pc * EPP + e;
         const int t = d == 0 ? j : T - 1 - j;
-        const dev::Gates gt = dev::normalise(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
-        w0[t] = gt.a0 * gt.inv, w1[t] = gt.s1 * gt.inv, w2[t] = gt.a2 * gt.inv;
+        const dev::Weights gt = dev::weights(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
+        w0[t] = gt.w0, w1[t] = gt.w1, w2[t] = gt.w2;
         A[t] = inimg ? IO::get(gh, e) : 0.f;
       }
     }

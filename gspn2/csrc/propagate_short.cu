@@ -200,11 +200,11 @@ __global__ void __launch_bounds__(128) short_forward_kernel(const PropagateParam
     for (int j = 0; j < kAhead; ++j) {
       const int o = v.off(s0 + j);
       const bool own = v.has(s0 + j);
-      const Gates gt = normalise(EL::load(sg0[o]), EL::load(sg1[o]), EL::load(sg2[o]), v.q, v.L);
+      const Weights gt = weights(EL::load(sg0[o]), EL::load(sg1[o]), EL::load(sg2[o]), v.q, v.L);
       const bool use = smt != 0;
-      w[j][0] = use ? gt.a0 * gt.inv : 0.f;
-      w[j][1] = use ? gt.s1 * gt.inv : 0.f;
-      w[j][2] = use ? gt.a2 * gt.inv : 0.f;
+      w[j][0] = use ? gt.w0 : 0.f;
+      w[j][1] = use ? gt.w1 : 0.f;
+      w[j][2] = use ? gt.w2 : 0.f;
 #pragma unroll
       for (int c = 0; c < CS; ++c) {
         xb[j][c] = sx[c * HW + o];
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
       const bool store = v.active && i < v.S;
       const int o = v.off(s);
       const Gates& gt = gq[j];
-      const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
+      const float w0 = gt.w0, w1 = gt.w1, w2 = gt.w2;
       float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
 #pragma unroll
       for (int c = 0; c < CS; ++c) {

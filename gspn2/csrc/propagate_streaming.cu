@@ -309,11 +309,11 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
 #pragma unroll
       for (int j = 0; j < D; ++j) {
         // Branch-free, so that the D chains interleave; unused slots hold zeros or stale gates.
-        const Gates gt = normalise(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
+        const Weights gt = weights(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
         const bool use = smt != 0;
-        wq[j][0] = use ? gt.a0 * gt.inv : 0.f;
-        wq[j][1] = use ? gt.s1 * gt.inv : 0.f;
-        wq[j][2] = use ? gt.a2 * gt.inv : 0.f;
+        wq[j][0] = use ? gt.w0 : 0.f;
+        wq[j][1] = use ? gt.w1 : 0.f;
+        wq[j][2] = use ? gt.w2 : 0.f;
         smt = (smt + 1 == v.ce) ? 0 : smt + 1;
       }
 #pragma unroll
@@ -334,10 +334,10 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
         if constexpr (AHEAD) {
           w0 = wq[j][0], w1 = wq[j][1], w2 = wq[j][2];
         } else if (!restart) {
-          const Gates gt = normalise(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
-          w0 = gt.a0 * gt.inv;
-          w1 = gt.s1 * gt.inv;
-          w2 = gt.a2 * gt.inv;
+          const Weights gt = weights(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
+          w0 = gt.w0;
+          w1 = gt.w1;
+          w2 = gt.w2;
         }
         const int o = v.off(s);
 #pragma unroll
@@ -427,12 +427,12 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
       int smt = sm;
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        const Gates gt = normalise(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
+        const Weights gt = weights(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
                                    EL::load(PK::get(tg[2], t)), v.q, v.L);  // branch-free (see forward_ring)
         const bool use = smt != 0;
-        wt[t][0] = use ? gt.a0 * gt.inv : 0.f;
-        wt[t][1] = use ? gt.s1 * gt.inv : 0.f;
-        wt[t][2] = use ? gt.a2 * gt.inv : 0.f;
+        wt[t][0] = use ? gt.w0 : 0.f;
+        wt[t][1] = use ? gt.w1 : 0.f;
+        wt[t][2] = use ? gt.w2 : 0.f;
         smt = (smt + 1 == v.ce) ? 0 : smt + 1;
       }
     }
@@ -446,11 +446,11 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
         if constexpr (AHEAD) {
           w0 = wt[t][0], w1 = wt[t][1], w2 = wt[t][2];
         } else if (!restart) {
-          const Gates gt = normalise(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
+          const Weights gt = weights(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
                                      EL::load(PK::get(tg[2], t)), v.q, v.L);
-          w0 = gt.a0 * gt.inv;
-          w1 = gt.s1 * gt.inv;
-          w2 = gt.a2 * gt.inv;
+          w0 = gt.w0;
+          w1 = gt.w1;
+          w2 = gt.w2;
         }
 #pragma unroll
         for (int c = 0; c < CS; ++c) {
@@ -523,7 +523,7 @@ __device__ __forceinline__ void backward_step(const Gates& gt, const float (&xv)
                                               const float* rq, float* wq, int LS, StepOut<CS>& out) {
   // rq, wq: this thread's position in the line read and the line written (kinds 0..3 x CS channels each,
   // LS floats per position: a constant in blocks of up to 256 threads).
-  const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
+  const float w0 = gt.w0, w1 = gt.w1, w2 = gt.w2;
   float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
 #pragma unroll
   for (int c = 0; c < CS; ++c) {
