@@ -24,7 +24,8 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # (B, C, H, W, K, dtype, kernel): the model shapes (C_proxy 2 and 8), the GSPN-1 anchors, horizontal scans
-# through the ring (W = 50), fp16, the 1024^2 shapes with the cluster kernels, the streaming kernels alone.
+# through the ring (W = 50), fp16, the 1024^2 and 512^2 shapes with the cluster kernels (vertical lines split over
+# 2 and 8 CTAs), the streaming kernels alone.
 SHAPES = [
     (128, 2, 56, 56, 1, "bf16", "auto"),
     (128, 2, 28, 28, 1, "bf16", "auto"),
@@ -42,6 +43,10 @@ SHAPES = [
     (4, 2, 64, 64, 2, "fp16", "auto"),
     (16, 2, 1024, 1024, 2, "fp32", "auto"),
     (16, 2, 1024, 1024, 2, "bf16", "auto"),
+    (4, 2, 1024, 1024, 2, "fp32", "auto"),
+    (1, 8, 1024, 1024, 1, "fp32", "auto"),
+    (16, 2, 512, 512, 2, "fp32", "auto"),
+    (16, 2, 512, 512, 2, "bf16", "auto"),
     (2, 2, 512, 512, 1, "bf16", "fast"),
 ]
 WHOLE_MAX = 1 << 22  # elements of x up to which whole tensors are kept

@@ -168,9 +168,11 @@ def fmt(v, nd=3):
 
 
 def kernel_name(plan) -> str:
-    """The plan in a few words: family, channels per block, the cluster kernel's CTAs per line."""
+    """The plan in a few words: family, channels per block, the cluster kernels' CTAs per line (horizontal,
+    then the split vertical lines)."""
     name = f"{plan.get('kernel', 'general')} ({plan['cs']})"
-    return name + (f" + cluster x{plan['cluster_ctas']}" if plan.get("cluster_ctas") else "")
+    name += f" + cluster x{plan['cluster_ctas']}" if plan.get("cluster_ctas") else ""
+    return name + (f" + split x{plan['split_ctas']}" if plan.get("split_ctas") else "")
 
 
 def markdown(records, bw, env):
@@ -241,8 +243,9 @@ CLUSTER_CHOICE_SMALL = [(32, 49, 32, 49), (128, 2, 32, 1), (128, 8, 64, 1), (1, 
 
 
 def cluster_choice(out_dir: str) -> list:
-    """Forward and backward time of the streaming kernels alone and with the cluster kernels at 2, 4 and 8
-    CTAs per line (``cluster_ctas``), same inputs, same run: the data behind the planner's choice."""
+    """Forward and backward time of the streaming kernels alone, with the cluster kernels at 2, 4 and 8 CTAs
+    per line (``cluster_ctas``: the horizontal lines and the split vertical ones) and under ``auto``, same
+    inputs, same run: the data behind the planner's choice."""
     rows = []
     cases = [(shape, dt) for dt in ("bf16", "fp32") for shape in CLUSTER_CHOICE_SHAPES + CLUSTER_CHOICE_SMALL]
     for (B, C, H, K), dt in cases:
@@ -258,19 +261,28 @@ def cluster_choice(out_dir: str) -> list:
                 row[f"cluster{n}_ms"] = median_ms(lambda: fwd(x, lam, gates, "cluster", n))
             if (H + n - 1) // n <= 128:  # the backward kernel's rows per CTA
                 row[f"cluster{n}_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "cluster", n))
-        row["auto_ctas"] = _cuda.plan(B, C, H, H, K, name, kernel="auto", cluster_ctas=0)["cluster_ctas"]
-        row["auto_ctas_bwd"] = _cuda.plan(B, C, H, H, K, name, True, kernel="auto", cluster_ctas=0)["cluster_ctas"]
+        row["auto_ms"] = median_ms(lambda: fwd(x, lam, gates))
+        row["auto_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h))
+        for pas, backward in (("", False), ("_bwd", True)):
+            plan = _cuda.plan(B, C, H, H, K, name, backward, kernel="auto", cluster_ctas=0)
+            row["auto_ctas" + pas] = plan["cluster_ctas"]
+            row["auto_split" + pas] = plan.get("split_ctas", 0)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del x, lam, gates, h, grad_h
         torch.cuda.empty_cache()
-    lines = ["| B x C x H x W, K | dtype | pass | streaming only ms | cluster, 2 CTAs/line | 4 | 8 | auto picks |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| B x C x H x W, K | dtype | pass | streaming only ms | cluster, 2 CTAs/line | 4 | 8 | auto ms | "
+             "auto picks |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        for pas, sfx, auto in (("fwd", "", "auto_ctas"), ("bwd", "_bwd", "auto_ctas_bwd")):
+        for pas, sfx in (("fwd", ""), ("bwd", "_bwd")):
             cells = [fmt(r.get(f"cluster{n}{sfx}_ms")) for n in (2, 4, 8)]
+            picks = "streaming"
+            if r[f"auto_ctas{sfx}"]:
+                picks = f"cluster x{r[f'auto_ctas{sfx}']}"
+                picks += f" + split x{r[f'auto_split{sfx}']}" if r[f"auto_split{sfx}"] else ""
             lines.append(f"| {r['B']}x{r['C']}x{r['H']}x{r['W']}, K={r['K']} | {r['dtype']} | {pas} | "
-                         f"{fmt(r[f'stream{sfx}_ms'])} | " + " | ".join(cells) + f" | {r[auto] or 'streaming'} |")
+                         f"{fmt(r[f'stream{sfx}_ms'])} | " + " | ".join(cells)
+                         + f" | {fmt(r[f'auto{sfx}_ms'])} | {picks} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "bench_cluster_choice.md"), "w") as f:
         f.write(md)

@@ -14,7 +14,8 @@ Groups:
 * ``short``: the short-line kernels forced (``GSPN2_KERNEL=short``): fp32 / bf16 / fp16, groups of 1, 2, 4 and
   8 channels, one and two lines per warp, H != W, chunks, planes whose bytes are not a multiple of 16.
 * ``cluster``: the thread-block-cluster kernels forced (``GSPN2_KERNEL=cluster``; Hopper only), forward
-  and backward, fp32 / bf16 / fp16, K < C and chunk restarts. The backward runs through autograd, i.e. on
+  and backward, fp32 / bf16 / fp16, K < C and chunk restarts; the vertical lines split over 2 CTAs, with
+  exchanges every 16 steps on the taller images. The backward runs through autograd, i.e. on
   autograd's device thread, where the kernels must bind the CUDA context themselves.
 * ``dwconv``: the depthwise convolution kernels forced for every kernel size (``GSPN2_DWCONV=cuda``) with
   both backwards and both column counts, with and without the residual, and the inference-only fused SiLU;
@@ -49,6 +50,8 @@ CLUSTER_CASES = [
     (1, 4, 37, 32, 2, 3, "float32"),
     (1, 2, 40, 32, 2, 5, "bfloat16"),
     (1, 4, 37, 32, 2, 3, "float16"),
+    (1, 1, 40, 208, 1, 7, "float32"),
+    (1, 2, 36, 144, 1, None, "bfloat16"),
 ]
 # (B, C, H, W, kernel size, residual, dtype name)
 DWCONV_CASES = [

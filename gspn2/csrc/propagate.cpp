@@ -190,6 +190,34 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   p.cluster_smem = s.smem;
 }
 
+// Split vertical lines (propagate_streaming.cu), with the cluster kernels only (otherwise the horizontal
+// blocks share the streaming launch with the vertical ones): under auto where one block per vertical line (one
+// channel each) leaves SMs idle, 2, 4 or 8 CTAs per line, doubled while the launch covers less than 90% of
+// the SMs and each CTA keeps at least kSplitMinOwn positions; kernel='cluster' splits every line (2 CTAs or
+// more); `cluster_ctas` sets the count (benchmarks). The split kernel takes one channel per CTA.
+void plan_split(PropagateParams& p, bool backward, const PlanOptions& o, int smem_limit, int nsm) {
+  p.vsplit = 0;
+  if (p.ncta == 0) return;
+  const int64_t lines = int64_t(2) * p.B * p.C;
+  int n = 1;
+  while (n < 8 && 10 * lines * n < int64_t(9) * nsm && (p.W + 2 * n - 1) / (2 * n) >= kSplitMinOwn) n *= 2;
+  if (o.family == Family::Cluster) n = std::max(n, 2);
+  if (o.cluster_ctas > 0) n = o.cluster_ctas;
+  if (n == 1) return;
+  const int R = round_up((p.W + n - 1) / n, 16);
+  const int nv = backward ? 3 : 1;  // exchange-line values a CTA hands on per position
+  const int ls = fast_line_stride(1, backward);
+  const int nt = round_up(R + 2 * kSplitHalo, 32);
+  const int pp = round_up(nt + 2, 4);
+  const int smem = (2 * ls * pp + 4 * kSplitHalo * nv) * 4;
+  if (R > kSplitMaxOwn || smem > smem_limit) return;  // W <= kFastMaxLine: R fits from 2 CTAs on
+  p.vsplit = n;
+  p.vs_R = R;
+  p.vs_nt = nt;
+  p.vs_pp = pp;
+  p.vs_smem = smem;
+}
+
 // The short-line kernels' horizontal lanes read one element of each of the H rows of a staged plane at once
 // (lane q at q * W): the largest number of distinct 4-byte words of such a read that share one of the 32
 // shared-memory banks (1: conflict-free), over both element parities of a 16-bit row.
@@ -255,13 +283,14 @@ bool make_plan_fast(PropagateParams& p, bool backward, const PlanOptions& o, int
     return false;
   }
   plan_cluster(p, backward, o, smem_limit, nsm, cc_major);
+  plan_split(p, backward, o, smem_limit, nsm);
   const int esize = element_size(p.dtype);
   p.kernel = 2;
   p.nt = round_up(lmax, 32);
   // The widest slice (gates read by fewer blocks) that still gives every SM a block; one channel per
   // block when even that leaves SMs idle (B = 1 with shared gates).
   p.cs = 1;  // the backward with the cluster kernel: one channel per block, so both write gate partials per channel
-  if (p.nt <= kFastSmallThreads && !(backward && p.ncta > 0)) {
+  if (p.nt <= kFastSmallThreads && !(backward && p.ncta > 0) && p.vsplit == 0) {
     for (const int cs : {4, 2}) {
       if (p.G % cs == 0 && int64_t(4) * p.B * p.K * (p.G / cs) >= nsm) {
         p.cs = cs;
@@ -587,6 +616,11 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
     d["line_stride"] = p.ls;
     d["cluster_ctas"] = p.ncta;  // > 0: the horizontal directions run in the cluster kernel
     if (p.ncta > 0) d["cluster_smem_bytes"] = p.cluster_smem;
+    d["split_ctas"] = p.vsplit;  // > 0: the vertical directions run split over that many CTAs per line
+    if (p.vsplit > 0) {
+      d["split_threads"] = p.vs_nt;
+      d["split_smem_bytes"] = p.vs_smem;
+    }
   } else {
     d["threads"] = p.nx * p.ny;
     d["nx"] = p.nx;

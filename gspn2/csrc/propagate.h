@@ -38,6 +38,13 @@ constexpr int kClusterMaxRowsBwd = 128;  // the backward stages 7 planes twice a
 constexpr int kClusterAutoMinLine = 768;  // GSPN2_KERNEL=auto: the forward for H >= this (bench_op.py --cluster-choice)
 constexpr int64_t kClusterAutoMinElemsBwd = int64_t(1) << 20;  // ... the backward for B * C * H * W >= this
 constexpr int kClusterAutoMinLineBwd16 = 64;  // ... and, with 16-bit inputs, H >= this (bf16 32x49x32^2 measured slower)
+// Split vertical lines (propagate_streaming.cu, with the cluster kernels): each vertical line on a cluster of 2, 4 or 8
+// CTAs, CTA `rank` owning positions [rank R, rank R + R) and computing kSplitHalo more on each side; the CTAs
+// swap their boundary values every kSplitHalo steps (the cluster kernels' tiling along the other axis).
+constexpr int kSplitHalo = 16;
+constexpr int kSplitMaxOwn = kFastMaxLine / 2;             // own positions per CTA, at most (R)
+constexpr int kSplitMaxThreads = kSplitMaxOwn + 2 * kSplitHalo;
+constexpr int kSplitMinOwn = 64;  // auto: CTAs per line doubled while each keeps at least this many positions
 
 // Short-line kernels (propagate_short.cu): H and W at most kShortMaxLine; one block per (batch, affinity group)
 // holds every input plane of the four directions in shared memory; a direction's line sits in one warp.
@@ -152,6 +159,8 @@ struct PropagateParams {
   int ls;      // floats per line position of the exchange line (fast_line_stride, or unpadded: see there)
   int ncta;          // > 0: the horizontal directions run in the cluster kernel, ncta CTAs per line
   int cluster_smem;  // its dynamic shared memory per CTA
+  int vsplit;        // > 0 (only with ncta > 0): the vertical directions run split, vsplit CTAs per line
+  int vs_R, vs_nt, vs_pp, vs_smem;  // ... own positions, threads, exchange-line positions and shared memory per CTA
   int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans
   CopySet copy[2][kNumCopyKinds];
   // x (B, C, H, W)

@@ -198,9 +198,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
       for (int e = 0; e < EPP; ++e) {
         const int j = pc * EPP + e;               // column j of the tile
         const int t = d == 0 ? j : T - 1 - j;     // d = 1 walks the tile's columns backwards
-        const dev::Gates g = dev::normalise(IO::get(f[2], e), IO::get(f[3], e), IO::get(f[4], e), q, p.H);
+        const dev::Weights g = dev::weights(IO::get(f[2], e), IO::get(f[3], e), IO::get(f[4], e), q, p.H);
         xl[t] = IO::get(f[0], e) * IO::get(f[1], e);
-        w0[t] = g.a0 * g.inv, w1[t] = g.s1 * g.inv, w2[t] = g.a2 * g.inv;
+        w0[t] = g.w0, w1[t] = g.w1, w2[t] = g.w2;
       }
     }
     float* const prev0 = line + par * (nt + 2);
@@ -282,6 +282,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
 // input dtype, the grad_x terms and gate partials in fp32, unsplit gate gradients in the input dtype.
 constexpr int kMaxThreadsBwd = kClusterMaxRowsBwd + 2 * HALO;
 constexpr int NIN_B = 7, NOUT_B = 5;
+// Bytes of the backward's output stage: grad_lam in rows of the input dtype (rb bytes: 32 for 16-bit inputs,
+// which keeps the 16-bit kernel within half an SM's shared memory, two CTAs per SM), the other four planes in
+// 64-byte rows. Every plane starts 512-byte aligned (R is a multiple of 16), where both swizzle patterns repeat.
+__host__ __device__ constexpr int bwd_out_bytes(int R, int rb) { return R * (rb + (NOUT_B - 1) * 64); }
 // Bytes of the backward's two input stage buffers (rows of rb bytes), rounded up to 1024 so the output
 // stage behind them starts where TMA's swizzle pattern does.
 __host__ __device__ constexpr int bwd_stage_bytes(int srows, int rb) { return (2 * NIN_B * srows * rb + 1023) / 1024 * 1024; }
@@ -302,9 +306,10 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
   unsigned char* base = smem_base(smem_raw);
   const int srows = p.boxrows;
   unsigned char* const stage0 = base;  // [2][NIN_B][srows] rows of RB bytes
-  // [NOUT_B][R] rows of 64 bytes (a 16-bit plane uses the first 32 of each), 1024-byte aligned like the stage
+  // grad_lam's R rows of RB bytes, then [NOUT_B - 1][R] rows of 64 bytes (a 16-bit gate plane uses the first 32 of
+  // each), 1024-byte aligned like the stage
   unsigned char* const ostage = stage0 + bwd_stage_bytes(srows, RB);
-  float* const lines = reinterpret_cast<float*>(ostage + size_t(NOUT_B) * p.R * 64);  // [2][3][nt + 2]
+  float* const lines = reinterpret_cast<float*>(ostage + bwd_out_bytes(p.R, RB));  // [2][3][nt + 2]
   float* const inbox = lines + 6 * (nt + 2);                                        // [2][2 sides][3][HALO]
   uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 12 * HALO + 2);         // [2], 8-byte aligned
   for (int k = i; k < 6 * (nt + 2) + 12 * HALO; k += blockDim.x) lines[k] = 0.f;
@@ -319,7 +324,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
   const uint32_t tx_bytes = uint32_t(NIN_B) * srows * RB;
   auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
   auto plane = [&](int buf, int k) { return stage0 + (size_t(buf) * NIN_B + k) * srows * RB; };
-  auto oplane = [&](int k) { return ostage + size_t(k) * p.R * 64; };
+  auto oplane = [&](int k) { return ostage + (k == 0 ? 0 : size_t(p.R) * (RB + (k - 1) * 64)); };
   auto issue = [&](int kt, int buf) {  // thread 0
     uint64_t* mb = &bar[buf];
     mbar_expect_tx(mb, tx_bytes);
@@ -355,8 +360,8 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
       for (int e = 0; e < EPP; ++e) {
         const int j = pc * EPP + e;
         const int t = d == 0 ? j : T - 1 - j;
-        const dev::Gates gt = dev::normalise(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
-        w0[t] = gt.a0 * gt.inv, w1[t] = gt.s1 * gt.inv, w2[t] = gt.a2 * gt.inv;
+        const dev::Weights gt = dev::weights(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
+        w0[t] = gt.w0, w1[t] = gt.w1, w2[t] = gt.w2;
         A[t] = inimg ? IO::get(gh, e) : 0.f;
       }
     }
@@ -582,7 +587,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
     s.nbox = s.onbox = 1;
     s.boxrows = round_up(s.NT, 8);
     s.oboxrows = s.R;
-    s.smem = 1024 + bwd_stage_bytes(s.boxrows, kClusterTile * esize) + NOUT_B * s.R * kClusterTile * 4 +
+    s.smem = 1024 + bwd_stage_bytes(s.boxrows, kClusterTile * esize) + bwd_out_bytes(s.R, kClusterTile * esize) +
              (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
     return s;
   }

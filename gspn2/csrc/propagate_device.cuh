@@ -72,27 +72,84 @@ __device__ __forceinline__ float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
-// 1 / (1 + exp(-g)); saturates cleanly to 0 and 1.
-__device__ __forceinline__ float sigmoid(float g) { return rcp_approx(1.f + exp2_approx(-1.4426950408889634f * g)); }
+// min(x, cap) that keeps a NaN x (fminf would return the cap).
+__device__ __forceinline__ float min_keep_nan(float x, float cap) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(cap));
+  return r;
+#else
+  return isnan(x) ? x : fminf(x, cap);
+#endif
+}
 
-// Normalised gate weights of line position q (docs/spec.md, "The propagation operator"): a_k = mask_k * sigmoid(g_k),
-// w_k = a_k / max(sum_k a_k, eps).
+// Normalised gate weights of line position q (docs/spec.md, "The propagation operator"): with a_k = mask_k *
+// sigmoid(g_k), w_k = a_k / max(sum_k a_k, eps). One reciprocal instead of four (three sigmoids and the
+// division): u_k = c (1 + exp(-g_k)) = c / sigmoid(g_k), with c = 2^-21 and u_k = c for an outer neighbour
+// outside the line; U = u_0 u_1 u_2 and n_k = mask_k U / u_k (the product of the other two), so that
+// w_k = n_k / max(sum_j n_j, (eps / c) U). exp(-g) is capped at 2^63 (g below -43.7, where sigmoid(g) < 1e-19),
+// which keeps every u_k, n_k and U a normal float32 (U in [2^-63, 2^126]); a NaN gate stays NaN.
+constexpr float kGateScale = 4.76837158203125e-07f;  // c = 2^-21
+constexpr float kGateScaleInv = 2097152.f;           // 1 / c
+struct WeightTerms {
+  float n0, n1, n2;  // mask_k U / u_k
+  float U;           // u_0 u_1 u_2
+  float r;           // 1 / max(sum_k n_k, (eps / c) U)
+  bool big;          // sum_k a_k >= eps
+};
+
+__device__ __forceinline__ WeightTerms weight_terms(float g0, float g1, float g2, int q, int L) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float e0 = exp2_approx(min_keep_nan(-kLog2e * g0, 63.f));
+  const float e1 = exp2_approx(min_keep_nan(-kLog2e * g1, 63.f));
+  const float e2 = exp2_approx(min_keep_nan(-kLog2e * g2, 63.f));
+  const bool m0 = q > 0, m2 = q < L - 1;
+  const float u0 = m0 ? fmaf(kGateScale, e0, kGateScale) : kGateScale;
+  const float u1 = fmaf(kGateScale, e1, kGateScale);
+  const float u2 = m2 ? fmaf(kGateScale, e2, kGateScale) : kGateScale;
+  WeightTerms t;
+  t.n1 = u0 * u2;
+  t.n0 = m0 ? u1 * u2 : 0.f;
+  t.n2 = m2 ? u0 * u1 : 0.f;
+  t.U = t.n1 * u1;
+  const float sum = (t.n0 + t.n1) + t.n2, floor = (kNormEps * kGateScaleInv) * t.U;
+  t.big = sum >= floor;
+  t.r = rcp_approx(fmaxf(sum, floor));
+  return t;
+}
+
+// The forward's weights: three exponentials and one reciprocal.
+struct Weights {
+  float w0, w1, w2;
+};
+
+__device__ __forceinline__ Weights weights(float g0, float g1, float g2, int q, int L) {
+  const WeightTerms t = weight_terms(g0, g1, g2, q, L);
+  return {t.n0 * t.r, t.n1 * t.r, t.n2 * t.r};
+}
+
+// What the backward needs of a pixel's gates: the same weights (bitwise the forward's), 1 / max(total, eps),
+// sigmoid'(g_k) = s_k (1 - s_k) and whether total >= eps; one more reciprocal (of U) for s_k = c n_k / U.
 struct Gates {
-  float s0, s1, s2;  // sigmoid(g_k)
-  float a0, a2;      // masked sigmoids of the outer neighbours (a1 = s1)
-  float total;       // sum_k a_k
-  float inv;         // 1 / max(total, eps)
+  float w0, w1, w2;
+  float inv;         // 1 / max(total, eps) = U r / c
+  float d0, d1, d2;  // s_k (1 - s_k); 0 for a neighbour outside the line
+  bool big;          // total >= eps
 };
 
 __device__ __forceinline__ Gates normalise(float g0, float g1, float g2, int q, int L) {
+  const WeightTerms t = weight_terms(g0, g1, g2, q, L);
+  const float rs = kGateScale * rcp_approx(t.U);
+  const float s0 = t.n0 * rs, s1 = t.n1 * rs, s2 = t.n2 * rs;
   Gates r;
-  r.s0 = sigmoid(g0);
-  r.s1 = sigmoid(g1);
-  r.s2 = sigmoid(g2);
-  r.a0 = q > 0 ? r.s0 : 0.f;
-  r.a2 = q < L - 1 ? r.s2 : 0.f;
-  r.total = (r.a0 + r.s1) + r.a2;
-  r.inv = rcp_approx(fmaxf(r.total, kNormEps));
+  r.w0 = t.n0 * t.r;
+  r.w1 = t.n1 * t.r;
+  r.w2 = t.n2 * t.r;
+  r.inv = (t.U * t.r) * kGateScaleInv;
+  r.d0 = s0 * (1.f - s0);
+  r.d1 = s1 * (1.f - s1);
+  r.d2 = s2 * (1.f - s2);
+  r.big = t.big;
   return r;
 }
 
@@ -100,25 +157,27 @@ __device__ __forceinline__ Gates normalise(float g0, float g1, float g2, int q, 
 // Branch-free (selects), so that the gates of several steps computed together interleave.
 __device__ __forceinline__ Gates step_gates(float g0, float g1, float g2, bool restart, int q, int L) {
   Gates r = normalise(g0, g1, g2, q, L);
-  r.s0 = restart ? 0.f : r.s0;
-  r.s1 = restart ? 0.f : r.s1;
-  r.s2 = restart ? 0.f : r.s2;
-  r.a0 = restart ? 0.f : r.a0;
-  r.a2 = restart ? 0.f : r.a2;
-  r.total = restart ? 0.f : r.total;
+  r.w0 = restart ? 0.f : r.w0;
+  r.w1 = restart ? 0.f : r.w1;
+  r.w2 = restart ? 0.f : r.w2;
   r.inv = restart ? 1.f : r.inv;
+  r.d0 = restart ? 0.f : r.d0;
+  r.d1 = restart ? 0.f : r.d1;
+  r.d2 = restart ? 0.f : r.d2;
+  r.big = restart ? false : r.big;
   return r;
 }
 
 // Gate-logit gradients of one pixel from grad_w (through w_k = a_k / max(total, eps), a_k = mask_k *
-// sigmoid(g_k)); the streaming and the cluster backward both use it.
+// sigmoid(g_k)): grad_a_k = gw_k inv - [total >= eps] (sum_j gw_j a_j) inv^2, where a_j inv = w_j; every
+// kernel family's backward uses it.
 __device__ __forceinline__ void gate_grads(const Gates& gt, float gw0, float gw1, float gw2, int q, int L,
                                            float& gg0, float& gg1, float& gg2) {
-  const float dot = (gw0 * gt.a0 + gw1 * gt.s1) + gw2 * gt.a2;
-  const float corr = gt.total >= kNormEps ? dot * gt.inv * gt.inv : 0.f;
-  gg0 = q > 0 ? (gw0 * gt.inv - corr) * (gt.s0 * (1.f - gt.s0)) : 0.f;
-  gg1 = (gw1 * gt.inv - corr) * (gt.s1 * (1.f - gt.s1));
-  gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * (gt.s2 * (1.f - gt.s2)) : 0.f;
+  const float dot = (gw0 * gt.w0 + gw1 * gt.w1) + gw2 * gt.w2;
+  const float corr = gt.big ? dot * gt.inv : 0.f;
+  gg0 = q > 0 ? (gw0 * gt.inv - corr) * gt.d0 : 0.f;
+  gg1 = (gw1 * gt.inv - corr) * gt.d1;
+  gg2 = q < L - 1 ? (gw2 * gt.inv - corr) * gt.d2 : 0.f;
 }
 
 struct BlockIndex {

@@ -250,11 +250,11 @@ __device__ __forceinline__ void forward_block(const PropagateParams& p, const Bl
           const int o = rb + q * PI::kQ;
           float w0 = 0.f, w1 = 0.f, w2 = 0.f;
           if (!restart) {
-            const Gates g = normalise(EL::load(buf[o]), EL::load(buf[plane_elems + o]),
+            const Weights g = weights(EL::load(buf[o]), EL::load(buf[plane_elems + o]),
                                       EL::load(buf[2 * plane_elems + o]), q, L);
-            w0 = g.a0 * g.inv;
-            w1 = g.s1 * g.inv;
-            w2 = g.a2 * g.inv;
+            w0 = g.w0;
+            w1 = g.w1;
+            w2 = g.w2;
           }
           for (int c = 0; c < cs; ++c) {
             Bits* lam_c = buf + (3 + cs + c) * plane_elems;
@@ -410,13 +410,13 @@ __device__ __forceinline__ void backward_block(const PropagateParams& p, const B
         for (int q = tid; q < L; q += nxa) {
           const int o = rb + q * PI::kQ;  // this step's element in the Bits planes
           const int o32 = t * pitch + q;  // ... and in the fp32 planes
-          Gates g = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f};
+          Gates g = {0.f, 0.f, 0.f, 1.f, 0.f, 0.f, 0.f, false};  // a restart step: zero weights
           if (!restart) {
             g = normalise(EL::load(buf[o]), EL::load(buf[plane_elems + o]), EL::load(buf[2 * plane_elems + o]), q, L);
           }
-          const float w0 = g.a0 * g.inv;
-          const float w1 = g.s1 * g.inv;
-          const float w2 = g.a2 * g.inv;
+          const float w0 = g.w0;
+          const float w1 = g.w1;
+          const float w2 = g.w2;
           float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
           for (int c = 0; c < cs; ++c) {
             Bits* x_c = buf + (3 + c) * plane_elems;
@@ -448,16 +448,8 @@ __device__ __forceinline__ void backward_block(const PropagateParams& p, const B
               wr[(2 * cs + c) * pp + q + 1] = w2 * adj;
             }
           }
-          // Through w_k = a_k / max(total, eps): grad_a_k = gw_k / D - [total >= eps] (sum_j gw_j a_j) / D^2,
-          // then a_k = mask_k * sigmoid(g_k).
           float gg0 = 0.f, gg1 = 0.f, gg2 = 0.f;
-          if (!restart) {
-            const float dot = (gw0 * g.a0 + gw1 * g.s1) + gw2 * g.a2;
-            const float corr = g.total >= kNormEps ? dot * g.inv * g.inv : 0.f;
-            gg0 = q > 0 ? (gw0 * g.inv - corr) * (g.s0 * (1.f - g.s0)) : 0.f;
-            gg1 = (gw1 * g.inv - corr) * (g.s1 * (1.f - g.s1));
-            gg2 = q < L - 1 ? (gw2 * g.inv - corr) * (g.s2 * (1.f - g.s2)) : 0.f;
-          }
+          if (!restart) gate_grads(g, gw0, gw1, gw2, q, L, gg0, gg1, gg2);
           if (gg_f32) {  // fp32 planes (gate planes of fp32 inputs, or a separate area)
             float* gp = reinterpret_cast<float*>(ggs);
             gp[o32] = gg0;

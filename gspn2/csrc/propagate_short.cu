@@ -7,8 +7,11 @@
 //     from shared memory instead of visiting rows in global memory.
 //   * Scan: a direction's line sits in one warp, one lane per line position (a warp holds 2 lines of up to
 //     16 pixels, or 1 of up to 32; PropagateParams::su). The previous line's neighbours (forward) and the adjoint
-//     terms of the next line (backward) move between lanes by warp shuffles: no barrier per step. Each
-//     step's inputs are read from shared memory one step ahead of the step that uses them.
+//     terms of the next line (backward) move between lanes by warp shuffles: no barrier per step. The gates of
+//     a group of kAhead steps are normalised together before the group (kAhead independent chains of
+//     transcendental work that interleave, branch-free), so that a step's chain is only the shuffles, the
+//     FMAs and the stores: with one warp per scheduler nothing else hides that latency. The forward reads a
+//     group's x and lam with its gates; the backward reads the rest of a step's inputs one step ahead.
 //   * Stage out: outputs replace the inputs they were computed from in shared memory (h over lam; grad_lam
 //     over lam, the gate gradients over the gates, grad_x over x) and leave as 16-byte stores. grad_x sums
 //     the four directions' fp32 terms (kept in shared memory) in the order d = 0, 1, 2, 3.
@@ -31,6 +34,7 @@ namespace {
 using namespace dev;
 
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kAhead = 4;  // steps whose gates are normalised together
 
 // A run of n bytes (a multiple of 2) split by alignment: `pre` bytes (0 or 2) to a 4-byte boundary, `mid` bytes
 // of 4-byte pieces to a 16-byte boundary, the 16-byte body, `tail` bytes of 4-byte pieces, `post` bytes (0 or 2).
@@ -182,59 +186,55 @@ __global__ void __launch_bounds__(128) short_forward_kernel(const PropagateParam
   const Bits* const sg0 = reinterpret_cast<const Bits*>(r.gates.run(smem, 3 * v.d));
   const Bits* const sg1 = reinterpret_cast<const Bits*>(r.gates.run(smem, 3 * v.d + 1));
   const Bits* const sg2 = reinterpret_cast<const Bits*>(r.gates.run(smem, 3 * v.d + 2));
-  // The step's inputs, read one step ahead.
-  Bits g[3], xb[CS], lb[CS];
-  auto load = [&](int s, Bits(&g_)[3], Bits(&x_)[CS], Bits(&l_)[CS]) {
-    const int o = v.off(s);
-    const bool own = v.has(s);
-    g_[0] = sg0[o];
-    g_[1] = sg1[o];
-    g_[2] = sg2[o];
-#pragma unroll
-    for (int c = 0; c < CS; ++c) {
-      x_[c] = sx[c * HW + o];
-      l_[c] = own ? sl[c * HW + o] : Bits(0);  // h replaces lam: another lane may be writing pixel 0
-    }
-  };
-  load(0, g, xb, lb);
   float prev[CS];
 #pragma unroll
   for (int c = 0; c < CS; ++c) prev[c] = 0.f;
   const int steps = max(p.H, p.W);  // every lane walks the same count: the shuffles need the whole warp
   int sm = 0;                       // s % ce
-#pragma unroll 2
-  for (int s = 0; s < steps; ++s) {
-    Bits ng[3], nx[CS], nl[CS];
-    load(s + 1, ng, nx, nl);
-    const bool restart = sm == 0;
-    const Gates gt = normalise(EL::load(g[0]), EL::load(g[1]), EL::load(g[2]), v.q, v.L);
-    const float w0 = restart ? 0.f : gt.a0 * gt.inv;
-    const float w1 = restart ? 0.f : gt.s1 * gt.inv;
-    const float w2 = restart ? 0.f : gt.a2 * gt.inv;
-    const bool store = v.active && s < v.S;
-    const int o = v.off(s);
+  for (int s0 = 0; s0 < steps; s0 += kAhead) {
+    // The group's weights (branch-free: unused steps normalise pixel 0's gates) and inputs.
+    float w[kAhead][3];
+    Bits xb[kAhead][CS], lb[kAhead][CS];
+    int smt = sm;
 #pragma unroll
-    for (int c = 0; c < CS; ++c) {
-      float left = __shfl_up_sync(kFullMask, prev[c], 1);
-      float right = __shfl_down_sync(kFullMask, prev[c], 1);
-      left = v.q > 0 ? left : 0.f;
-      right = v.q + 1 < v.L ? right : 0.f;
-      float hv = EL::load(xb[c]) * EL::load(lb[c]);
-      if (!restart) {  // positions q - 1, q, q + 1
-        hv = fmaf(w0, left, hv);
-        hv = fmaf(w1, prev[c], hv);
-        hv = fmaf(w2, right, hv);
+    for (int j = 0; j < kAhead; ++j) {
+      const int o = v.off(s0 + j);
+      const bool own = v.has(s0 + j);
+      const Weights gt = weights(EL::load(sg0[o]), EL::load(sg1[o]), EL::load(sg2[o]), v.q, v.L);
+      const bool use = smt != 0;
+      w[j][0] = use ? gt.w0 : 0.f;
+      w[j][1] = use ? gt.w1 : 0.f;
+      w[j][2] = use ? gt.w2 : 0.f;
+#pragma unroll
+      for (int c = 0; c < CS; ++c) {
+        xb[j][c] = sx[c * HW + o];
+        lb[j][c] = own ? sl[c * HW + o] : Bits(0);  // h replaces lam: another lane may be writing pixel 0
       }
-      prev[c] = hv;
-      if (store) sl[c * HW + o] = EL::store(hv);
+      smt = (smt + 1 == v.ce) ? 0 : smt + 1;
     }
-    sm = (sm + 1 == v.ce) ? 0 : sm + 1;
 #pragma unroll
-    for (int k = 0; k < 3; ++k) g[k] = ng[k];
+    for (int j = 0; j < kAhead; ++j) {
+      const int s = s0 + j;
+      if (s >= steps) break;
+      const bool restart = sm == 0;
+      const bool store = v.active && s < v.S;
+      const int o = v.off(s);
 #pragma unroll
-    for (int c = 0; c < CS; ++c) {
-      xb[c] = nx[c];
-      lb[c] = nl[c];
+      for (int c = 0; c < CS; ++c) {
+        float left = __shfl_up_sync(kFullMask, prev[c], 1);
+        float right = __shfl_down_sync(kFullMask, prev[c], 1);
+        left = v.q > 0 ? left : 0.f;
+        right = v.q + 1 < v.L ? right : 0.f;
+        float hv = EL::load(xb[j][c]) * EL::load(lb[j][c]);
+        if (!restart) {  // positions q - 1, q, q + 1
+          hv = fmaf(w[j][0], left, hv);
+          hv = fmaf(w[j][1], prev[c], hv);
+          hv = fmaf(w[j][2], right, hv);
+        }
+        prev[c] = hv;
+        if (store) sl[c * HW + o] = EL::store(hv);
+      }
+      sm = (sm + 1 == v.ce) ? 0 : sm + 1;
     }
   }
   __syncthreads();
@@ -277,10 +277,11 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
   Bits* const sg2 = reinterpret_cast<Bits*>(r.gates.run(smem, 3 * v.d + 2));
   float* sgx = reinterpret_cast<float*>(smem + ly.gx) + v.d * CS * HW;  // this direction's grad_x terms
 
-  // Inputs of reverse step i (scan step s = S - 1 - i), read one step ahead: gates, x, lam, grad_h, and
-  // h_{s-1} at q - 1, q, q + 1 (the position itself where a neighbour is missing: its product is masked).
+  // Inputs of reverse step i (scan step s = S - 1 - i), read one step ahead: x, lam, grad_h, and h_{s-1} at
+  // q - 1, q, q + 1 (the position itself where a neighbour is missing: its product is masked). The gates
+  // are read a group of kAhead steps at a time, before the group's steps write the gate gradients over them.
   struct In {
-    Bits g[3], x[CS], l[CS], gh[CS], hl[CS], h0[CS], hr[CS];
+    Bits x[CS], l[CS], gh[CS], hl[CS], h0[CS], hr[CS];
   };
   auto load = [&](int i, In& in) {
     const int s = v.S - 1 - i;
@@ -289,10 +290,7 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
     const int oh = has_prev ? o - v.ds : o;
     const int ohl = (has_prev && v.q > 0) ? oh - v.dq : oh;
     const int ohr = (has_prev && v.q + 1 < v.L) ? oh + v.dq : oh;
-    const bool own = v.has(s);  // the gate gradients and grad_lam replace gates and lam (see Lane::off)
-    in.g[0] = own ? sg0[o] : Bits(0);
-    in.g[1] = own ? sg1[o] : Bits(0);
-    in.g[2] = own ? sg2[o] : Bits(0);
+    const bool own = v.has(s);  // grad_lam replaces lam (see Lane::off)
 #pragma unroll
     for (int c = 0; c < CS; ++c) {
       in.x[c] = sx[c * HW + o];
@@ -310,50 +308,65 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
   for (int c = 0; c < CS; ++c) tm[c] = t0[c] = tp[c] = 0.f;
   const int steps = max(p.H, p.W);
   int sm = (v.S - 1) % v.ce;  // s % ce of the step being processed
-#pragma unroll 2
-  for (int i = 0; i < steps; ++i) {
-    In nxt;
-    load(i + 1, nxt);
-    const int s = v.S - 1 - i;
-    const bool restart = sm == 0;
-    const bool has_next = i > 0 && sm + 1 != v.ce;
-    const bool store = v.active && i < v.S;
-    const int o = v.off(s);
-    const Gates gt = step_gates(EL::load(cur.g[0]), EL::load(cur.g[1]), EL::load(cur.g[2]), restart, v.q, v.L);
-    const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
-    float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
+  for (int i0 = 0; i0 < steps; i0 += kAhead) {
+    Gates gq[kAhead];  // the group's gates (branch-free: unused steps normalise zeros)
+    int smt = sm;
 #pragma unroll
-    for (int c = 0; c < CS; ++c) {
-      float from_right = __shfl_down_sync(kFullMask, tm[c], 1);  // C_-1 of q + 1
-      float from_left = __shfl_up_sync(kFullMask, tp[c], 1);     // C_+1 of q - 1
-      from_right = v.q + 1 < v.L ? from_right : 0.f;
-      from_left = v.q > 0 ? from_left : 0.f;
-      float adj = EL::load(cur.gh[c]);
-      if (has_next) adj += (t0[c] + from_right) + from_left;
-      const float glam = EL::load(cur.x[c]) * adj;
-      const float gx = EL::load(cur.l[c]) * adj;
-      if (!restart) {
-        gw0 = fmaf(adj, EL::load(cur.hl[c]), gw0);
-        gw1 = fmaf(adj, EL::load(cur.h0[c]), gw1);
-        gw2 = fmaf(adj, EL::load(cur.hr[c]), gw2);
-        tm[c] = w0 * adj;
-        t0[c] = w1 * adj;
-        tp[c] = w2 * adj;
+    for (int j = 0; j < kAhead; ++j) {
+      const int s = v.S - 1 - (i0 + j);
+      const int o = v.off(s);
+      const bool own = v.has(s);  // the gate gradients replace the gates (see Lane::off)
+      const Bits g0 = own ? sg0[o] : Bits(0), g1 = own ? sg1[o] : Bits(0), g2 = own ? sg2[o] : Bits(0);
+      gq[j] = step_gates(EL::load(g0), EL::load(g1), EL::load(g2), smt == 0, v.q, v.L);
+      smt = (smt == 0) ? v.ce - 1 : smt - 1;
+    }
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      const int i = i0 + j;
+      if (i >= steps) break;
+      In nxt;
+      load(i + 1, nxt);
+      const int s = v.S - 1 - i;
+      const bool restart = sm == 0;
+      const bool has_next = i > 0 && sm + 1 != v.ce;
+      const bool store = v.active && i < v.S;
+      const int o = v.off(s);
+      const Gates& gt = gq[j];
+      const float w0 = gt.w0, w1 = gt.w1, w2 = gt.w2;
+      float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
+#pragma unroll
+      for (int c = 0; c < CS; ++c) {
+        float from_right = __shfl_down_sync(kFullMask, tm[c], 1);  // C_-1 of q + 1
+        float from_left = __shfl_up_sync(kFullMask, tp[c], 1);     // C_+1 of q - 1
+        from_right = v.q + 1 < v.L ? from_right : 0.f;
+        from_left = v.q > 0 ? from_left : 0.f;
+        float adj = EL::load(cur.gh[c]);
+        if (has_next) adj += (t0[c] + from_right) + from_left;
+        const float glam = EL::load(cur.x[c]) * adj;
+        const float gx = EL::load(cur.l[c]) * adj;
+        if (!restart) {
+          gw0 = fmaf(adj, EL::load(cur.hl[c]), gw0);
+          gw1 = fmaf(adj, EL::load(cur.h0[c]), gw1);
+          gw2 = fmaf(adj, EL::load(cur.hr[c]), gw2);
+          tm[c] = w0 * adj;
+          t0[c] = w1 * adj;
+          tp[c] = w2 * adj;
+        }
+        if (store) {
+          sl[c * HW + o] = EL::store(glam);
+          sgx[c * HW + o] = gx;
+        }
       }
+      float gg0 = 0.f, gg1 = 0.f, gg2 = 0.f;
+      if (!restart) gate_grads(gt, gw0, gw1, gw2, v.q, v.L, gg0, gg1, gg2);
       if (store) {
-        sl[c * HW + o] = EL::store(glam);
-        sgx[c * HW + o] = gx;
+        sg0[o] = EL::store(gg0);
+        sg1[o] = EL::store(gg1);
+        sg2[o] = EL::store(gg2);
       }
+      sm = (sm == 0) ? v.ce - 1 : sm - 1;
+      cur = nxt;
     }
-    float gg0 = 0.f, gg1 = 0.f, gg2 = 0.f;
-    if (!restart) gate_grads(gt, gw0, gw1, gw2, v.q, v.L, gg0, gg1, gg2);
-    if (store) {
-      sg0[o] = EL::store(gg0);
-      sg1[o] = EL::store(gg1);
-      sg2[o] = EL::store(gg2);
-    }
-    sm = (sm == 0) ? v.ce - 1 : sm - 1;
-    cur = nxt;
   }
   __syncthreads();
   // grad_x = the sum of the four directions' terms, over x in shared memory.

@@ -17,6 +17,14 @@
 //     in registers and written as vectors once per tile. No barrier guards the stage: only the thread
 //     that copied a slice reads it.
 //
+// Split vertical lines (with the cluster kernels, where one block per vertical line would leave SMs idle):
+// the vertical directions run in a second kernel, each line on a thread-block cluster of 2, 4 or 8 CTAs. CTA
+// `rank` owns positions [rank R, rank R + R) and also computes kSplitHalo positions on each side through the
+// same ring. A value at the CTA's edge goes stale one position further in per step, so after kSplitHalo
+// steps the own positions are still exact; then each CTA pushes its first and last kSplitHalo own positions'
+// exchange-line values into its neighbours' inboxes (distributed shared memory) and, after one cluster
+// barrier, its halo positions take the neighbours' values. Per pixel the arithmetic is the unsplit kernel's.
+//
 // The backward is the reverse scan of gspn_propagate_backward_ref. Besides the adjoint terms C_o, the
 // exchange line carries h_{s-1}, the saved output of the step before, that grad_w needs at q - 1, q
 // and q + 1; it is written one step ahead. grad_x is written per direction (fp32) and summed by the
@@ -26,6 +34,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cooperative_groups.h>
 #include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
@@ -168,25 +177,37 @@ __device__ __forceinline__ void stg_floats(float* dst, const float (&r)[N]) {
   stg_words<N>(dst, w);
 }
 
+// Where a block's threads sit on its line. Unsplit: thread t is line position t. Split: thread t is position
+// base + t, threads [lo, hi) own their positions, threads below `span` compute (own and halo).
+struct Split {
+  int rank = 0, n = 1;
+  int base = 0, lo = 0, hi = 1 << 30, span = 1 << 30;
+  int pp = 0;               // positions per exchange line
+  float* inbox = nullptr;   // [2 parities][lower, upper][kSplitHalo][values per position]
+};
+
 // The block's view of its problem: line geometry and plane base pointers (q = 0, scan index 0).
 // Offsets within a plane are 32-bit (planes hold at most kFastMaxLine^2 = 2^20 pixels here): an access's
 // address is then the block's 64-bit plane base plus one sign-extended 32-bit offset.
 template <typename Bits, int CS>
 struct BlockView {
-  int L, S, W, q;
-  bool inc, active;
+  int L, S, W, q, t;  // q: this thread's line position, t: its slot in the exchange line
+  bool inc, active, own;
   int ce;      // restart period in steps
   int o0, ds;  // this thread's pixel at scan step 0, and the offset of one scan step (elements)
   const Bits* g;
   const Bits* x;
   const Bits* lam;
-  __device__ __forceinline__ BlockView(const PropagateParams& p, const BlockIndex& bi, bool horiz) {
+  __device__ __forceinline__ BlockView(const PropagateParams& p, const BlockIndex& bi, bool horiz,
+                                       const Split& sp = Split{}) {
     L = horiz ? p.H : p.W;
     S = horiz ? p.W : p.H;
     W = p.W;
-    q = threadIdx.x;
+    t = threadIdx.x;
+    q = t + sp.base;
     inc = (bi.d & 1) == 0;
-    active = q < L;
+    active = q >= 0 && q < L && t < sp.span;
+    own = active && t >= sp.lo && t < sp.hi;
     ce = (p.chunk > 0 && p.chunk < S) ? p.chunk : S;
     ds = horiz ? (inc ? 1 : -1) : (inc ? W : -W);
     o0 = horiz ? q * W + (inc ? 0 : S - 1) : (inc ? 0 : (S - 1) * W) + q;
@@ -204,6 +225,38 @@ struct BlockView {
   }
 };
 
+// After the last step of a tile of a split line: the first and last kSplitHalo own positions' NV values (at
+// `slot`, this thread's place in the exchange line just written) go to the neighbours' inboxes; after one
+// cluster barrier the halo positions take the neighbours' values. Every thread of the cluster calls it.
+template <int NV>
+__device__ __forceinline__ void split_exchange(const Split& sp, float* slot, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int t = threadIdx.x;
+  float* const box = sp.inbox + parity * 2 * kSplitHalo * NV;
+  if (sp.rank > 0 && t >= sp.lo && t < sp.lo + kSplitHalo) {  // the left neighbour's upper halo
+    float* const nb = cluster.map_shared_rank(box, sp.rank - 1) + (kSplitHalo + t - sp.lo) * NV;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) nb[k] = slot[k];
+  }
+  if (sp.rank < sp.n - 1 && t >= sp.hi - kSplitHalo && t < sp.hi) {  // the right neighbour's lower halo
+    float* const nb = cluster.map_shared_rank(box, sp.rank + 1) + (t - (sp.hi - kSplitHalo)) * NV;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) nb[k] = slot[k];
+  }
+  cluster.sync();
+  const float* mine = nullptr;
+  if (sp.rank > 0 && t < sp.lo) mine = box + t * NV;
+  if (sp.rank < sp.n - 1 && t >= sp.hi && t < sp.hi + kSplitHalo) mine = box + (kSplitHalo + t - sp.hi) * NV;
+  if (mine != nullptr) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) slot[k] = mine[k];
+  }
+  __syncthreads();
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------
 // Forward
 // ------------------------------------------------------------------------------------------------
@@ -214,14 +267,16 @@ struct BlockView {
 // exchange line's loads, the FMAs and the stores. The 1024-thread blocks (64 registers per thread)
 // normalise each step's gates in that step: the extra live registers would spill, and their 32 warps per
 // SM hide the chain.
-template <typename scalar_t, int CS, int D, bool HORIZ, bool AHEAD>
-__device__ __forceinline__ void forward_ring(const PropagateParams& p, const BlockIndex& bi, float* line) {
+template <typename scalar_t, int CS, int D, bool HORIZ, bool AHEAD, bool SPLIT = false>
+__device__ __forceinline__ void forward_ring(const PropagateParams& p, const BlockIndex& bi, float* line,
+                                             const Split& sp = Split{}) {
   using EL = Elem<scalar_t>;
   using Bits = typename EL::bits;
-  const BlockView<Bits, CS> v(p, bi, HORIZ);
+  static_assert(!SPLIT || kSplitHalo % D == 0, "a split line's exchanges fall on a group's last step");
+  const BlockView<Bits, CS> v(p, bi, HORIZ, sp);
   constexpr int LS = fast_line_stride(CS, false);
-  float* const lq0 = line + (v.q + 1) * LS;  // this thread's position in exchange line 0 (halo-shifted by one)
-  float* const lq1 = lq0 + p.pp * LS;        // ... and in line 1
+  float* const lq0 = line + (v.t + 1) * LS;        // this thread's slot in exchange line 0 (halo-shifted by one)
+  float* const lq1 = lq0 + (SPLIT ? sp.pp : p.pp) * LS;  // ... and in line 1
   Bits* const h = static_cast<Bits*>(p.h) + (bi.b * p.h_sb + bi.d * p.h_sd + (bi.grp * p.G + bi.sl * CS) * p.h_sc);
 
   // Slot j holds step s with s % D == j. AHEAD: the gate slots are refilled a group at a time (after the
@@ -254,11 +309,11 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
 #pragma unroll
       for (int j = 0; j < D; ++j) {
         // Branch-free, so that the D chains interleave; unused slots hold zeros or stale gates.
-        const Gates gt = normalise(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
+        const Weights gt = weights(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
         const bool use = smt != 0;
-        wq[j][0] = use ? gt.a0 * gt.inv : 0.f;
-        wq[j][1] = use ? gt.s1 * gt.inv : 0.f;
-        wq[j][2] = use ? gt.a2 * gt.inv : 0.f;
+        wq[j][0] = use ? gt.w0 : 0.f;
+        wq[j][1] = use ? gt.w1 : 0.f;
+        wq[j][2] = use ? gt.w2 : 0.f;
         smt = (smt + 1 == v.ce) ? 0 : smt + 1;
       }
 #pragma unroll
@@ -279,10 +334,10 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
         if constexpr (AHEAD) {
           w0 = wq[j][0], w1 = wq[j][1], w2 = wq[j][2];
         } else if (!restart) {
-          const Gates gt = normalise(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
-          w0 = gt.a0 * gt.inv;
-          w1 = gt.s1 * gt.inv;
-          w2 = gt.a2 * gt.inv;
+          const Weights gt = weights(EL::load(rg[j][0]), EL::load(rg[j][1]), EL::load(rg[j][2]), v.q, v.L);
+          w0 = gt.w0;
+          w1 = gt.w1;
+          w2 = gt.w2;
         }
         const int o = v.off(s);
 #pragma unroll
@@ -294,7 +349,7 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
             hv = fmaf(w2, prev[c + LS], hv);
           }
           next[c] = hv;
-          h[c * p.h_sc + o] = EL::store(hv);
+          if (v.own) h[c * p.h_sc + o] = EL::store(hv);
         }
         if (!AHEAD) {
           GSPN2_FWD_LOAD_GATES(j, s + D)
@@ -302,6 +357,9 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
         GSPN2_FWD_LOAD_XL(j, s + D)
       }
       __syncthreads();
+      if constexpr (SPLIT) {
+        if ((s + 1) % kSplitHalo == 0 && s + 1 < v.S) split_exchange<CS>(sp, next, (s / kSplitHalo) & 1);
+      }
       sm = (sm + 1 == v.ce) ? 0 : sm + 1;
     }
   }
@@ -369,12 +427,12 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
       int smt = sm;
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        const Gates gt = normalise(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
+        const Weights gt = weights(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
                                    EL::load(PK::get(tg[2], t)), v.q, v.L);  // branch-free (see forward_ring)
         const bool use = smt != 0;
-        wt[t][0] = use ? gt.a0 * gt.inv : 0.f;
-        wt[t][1] = use ? gt.s1 * gt.inv : 0.f;
-        wt[t][2] = use ? gt.a2 * gt.inv : 0.f;
+        wt[t][0] = use ? gt.w0 : 0.f;
+        wt[t][1] = use ? gt.w1 : 0.f;
+        wt[t][2] = use ? gt.w2 : 0.f;
         smt = (smt + 1 == v.ce) ? 0 : smt + 1;
       }
     }
@@ -388,11 +446,11 @@ __device__ __forceinline__ void forward_tile(const PropagateParams& p, const Blo
         if constexpr (AHEAD) {
           w0 = wt[t][0], w1 = wt[t][1], w2 = wt[t][2];
         } else if (!restart) {
-          const Gates gt = normalise(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
+          const Weights gt = weights(EL::load(PK::get(tg[0], t)), EL::load(PK::get(tg[1], t)),
                                      EL::load(PK::get(tg[2], t)), v.q, v.L);
-          w0 = gt.a0 * gt.inv;
-          w1 = gt.s1 * gt.inv;
-          w2 = gt.a2 * gt.inv;
+          w0 = gt.w0;
+          w1 = gt.w1;
+          w2 = gt.w2;
         }
 #pragma unroll
         for (int c = 0; c < CS; ++c) {
@@ -427,7 +485,7 @@ __global__ void __launch_bounds__(NT) gspn_forward_fast_kernel(const __grid_cons
   constexpr int D = NT > kFastSmallThreads ? 4 : CS <= 2 ? 8 : 4;
   constexpr bool AHEAD = NT <= kFastSmallThreads;
   const BlockIndex bi = block_index(p);
-  if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
+  if (bi.d < 2 ? p.ncta > 0 : p.vsplit > 0) return;  // the cluster kernel / the split kernel computes them
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
   float* const line = reinterpret_cast<float*>(smem);
   constexpr int LS = fast_line_stride(CS, false);
@@ -465,7 +523,7 @@ __device__ __forceinline__ void backward_step(const Gates& gt, const float (&xv)
                                               const float* rq, float* wq, int LS, StepOut<CS>& out) {
   // rq, wq: this thread's position in the line read and the line written (kinds 0..3 x CS channels each,
   // LS floats per position: a constant in blocks of up to 256 threads).
-  const float w0 = gt.a0 * gt.inv, w1 = gt.s1 * gt.inv, w2 = gt.a2 * gt.inv;
+  const float w0 = gt.w0, w1 = gt.w1, w2 = gt.w2;
   float gw0 = 0.f, gw1 = 0.f, gw2 = 0.f;
 #pragma unroll
   for (int c = 0; c < CS; ++c) {
@@ -506,16 +564,18 @@ struct BackwardOut {
   }
 };
 
-template <typename scalar_t, int CS, int D, bool HORIZ, bool AHEAD>
-__device__ __forceinline__ void backward_ring(const PropagateParams& p, const BlockIndex& bi, float* ex) {
+template <typename scalar_t, int CS, int D, bool HORIZ, bool AHEAD, bool SPLIT = false>
+__device__ __forceinline__ void backward_ring(const PropagateParams& p, const BlockIndex& bi, float* ex,
+                                              const Split& sp = Split{}) {
   using EL = Elem<scalar_t>;
   using Bits = typename EL::bits;
   static_assert(D >= 3, "the ring must hold h two steps ahead");
-  const BlockView<Bits, CS> v(p, bi, HORIZ);
+  static_assert(!SPLIT || (AHEAD && kSplitHalo % D == 0), "a split line's exchanges fall on a group's last step");
+  const BlockView<Bits, CS> v(p, bi, HORIZ, sp);
   const BackwardOut<Bits, CS> out(p, bi);
   const int LS = AHEAD ? fast_line_stride(CS, true) : p.ls;
-  float* const eq0 = ex + (v.q + 1) * LS;  // this thread's position in exchange lines 0 and 1
-  float* const eq1 = eq0 + p.pp * LS;
+  float* const eq0 = ex + (v.t + 1) * LS;  // this thread's slot in exchange lines 0 and 1
+  float* const eq1 = eq0 + (SPLIT ? sp.pp : p.pp) * LS;
   const int c0 = bi.grp * p.G + bi.sl * CS;
   const Bits* const gh = static_cast<const Bits*>(p.grad_h) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
   const Bits* const hs = static_cast<const Bits*>(p.h_saved) + (bi.b * p.h_sb + bi.d * p.h_sd + c0 * p.h_sc);
@@ -594,17 +654,19 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
           for (int c = 0; c < CS; ++c) wq[3 * CS + c] = EL::load(rh[(j + 2) % D][c]);
         }
         const int o = v.off(s);
+        if (v.own) {
 #pragma unroll
-        for (int c = 0; c < CS; ++c) {
-          out.glam[c * p.h_sc + o] = EL::store(r.glam[c]);
-          out.gx[c * p.x_sc + o] = r.gx[c];
-        }
+          for (int c = 0; c < CS; ++c) {
+            out.glam[c * p.h_sc + o] = EL::store(r.glam[c]);
+            out.gx[c * p.x_sc + o] = r.gx[c];
+          }
 #pragma unroll
-        for (int k = 0; k < 3; ++k) {
-          if (part) {
-            out.gg_part[k * p.g_so + o] = r.gg[k];
-          } else {
-            out.gg[k * p.g_so + o] = EL::store(r.gg[k]);
+          for (int k = 0; k < 3; ++k) {
+            if (part) {
+              out.gg_part[k * p.g_so + o] = r.gg[k];
+            } else {
+              out.gg[k * p.g_so + o] = EL::store(r.gg[k]);
+            }
           }
         }
         if (!AHEAD) {
@@ -613,6 +675,9 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
         GSPN2_BWD_LOAD_REST(j, i + D)
       }
       __syncthreads();
+      if constexpr (SPLIT) {  // the state handed on: C_o (kinds 0..2); h_{s-1} comes from memory
+        if ((i + 1) % kSplitHalo == 0 && i + 1 < v.S) split_exchange<3 * CS>(sp, wq, (i / kSplitHalo) & 1);
+      }
       sm = (sm == 0) ? v.ce - 1 : sm - 1;
     }
   }
@@ -797,7 +862,7 @@ __global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_con
   constexpr int D = NT > kFastSmallThreads ? 3 : 4;
   constexpr bool AHEAD = NT <= kFastSmallThreads;
   const BlockIndex bi = block_index(p);
-  if (bi.d < 2 && p.ncta > 0) return;  // the cluster kernel computes the horizontal directions
+  if (bi.d < 2 ? p.ncta > 0 : p.vsplit > 0) return;  // the cluster kernel / the split kernel computes them
   if (p.ablate & (bi.d < 2 ? 8 : 16)) return;  // profiling only: skip one orientation
   float* const ex = reinterpret_cast<float*>(smem);
   const int LS = AHEAD ? fast_line_stride(CS, true) : p.ls;
@@ -819,8 +884,87 @@ __global__ void __launch_bounds__(NT) gspn_backward_fast_kernel(const __grid_con
 }
 
 // ------------------------------------------------------------------------------------------------
+// Split vertical lines: one channel per CTA, grid (cluster rank fastest, then direction 2 / 3, slice,
+// group, batch), the ring with the gates normalised ahead (D = 8 forward, 4 backward).
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ BlockIndex split_block_index(const PropagateParams& p) {
+  int bid = blockIdx.x / p.vsplit;
+  BlockIndex r;
+  r.d = 2 + (bid & 1);
+  bid >>= 1;
+  r.sl = bid % p.nsl;
+  bid /= p.nsl;
+  r.grp = bid % p.K;
+  r.b = bid / p.K;
+  return r;
+}
+
+// Zeroes the exchange lines and the inboxes (NV values per position), then waits for every CTA of the
+// cluster: none may store into a neighbour that has not started.
+__device__ __forceinline__ Split split_setup(const PropagateParams& p, float* lines, int ls, int nv) {
+  Split sp;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  sp.rank = int(cluster.block_rank());
+  sp.n = p.vsplit;
+  sp.base = sp.rank * p.vs_R - kSplitHalo;
+  sp.lo = kSplitHalo;
+  sp.hi = kSplitHalo + p.vs_R;
+  sp.span = p.vs_R + 2 * kSplitHalo;
+  sp.pp = p.vs_pp;
+  sp.inbox = lines + 2 * ls * p.vs_pp;
+  const int nz = 2 * ls * p.vs_pp + 4 * kSplitHalo * nv;
+  for (int i = threadIdx.x; i < nz; i += blockDim.x) lines[i] = 0.f;
+  cluster.sync();
+#endif
+  return sp;
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSplitMaxThreads)
+    gspn_forward_split_kernel(const __grid_constant__ PropagateParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* const line = reinterpret_cast<float*>(smem);
+  const Split sp = split_setup(p, line, fast_line_stride(1, false), 1);
+  forward_ring<scalar_t, 1, 8, false, true, true>(p, split_block_index(p), line, sp);
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSplitMaxThreads)
+    gspn_backward_split_kernel(const __grid_constant__ PropagateParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* const ex = reinterpret_cast<float*>(smem);
+  const Split sp = split_setup(p, ex, fast_line_stride(1, true), 3);
+  backward_ring<scalar_t, 1, 4, false, true, true>(p, split_block_index(p), ex, sp);
+}
+
+// ------------------------------------------------------------------------------------------------
 // Launch
 // ------------------------------------------------------------------------------------------------
+
+template <typename Kernel>
+void launch_split(Kernel kernel, const PropagateParams& p, cudaStream_t stream) {
+  allow_dynamic_smem(kernel, p.vs_smem);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.vsplit * 2 * p.B * p.K * p.nsl);
+  cfg.blockDim = dim3(p.vs_nt);
+  cfg.dynamicSmemBytes = size_t(p.vs_smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = p.vsplit;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+// Whether the streaming kernel has blocks to run: not when the cluster kernel takes the horizontal directions
+// and the split kernel the vertical ones.
+bool streaming_blocks_left(const PropagateParams& p) { return p.ncta == 0 || p.vsplit == 0; }
 
 template <typename Kernel>
 void launch(Kernel kernel, const PropagateParams& p, cudaStream_t stream) {
@@ -848,17 +992,23 @@ void dispatch_fast_shape(const PropagateParams& p, Fn&& fn) {
 
 void launch_forward_fast(const PropagateParams& p, cudaStream_t stream) {
   dispatch_dtype(p.dtype, [&](auto elem) {
-    dispatch_fast_shape(p, [&](auto cs, auto nt) {
-      launch(gspn_forward_fast_kernel<decltype(elem), decltype(cs)::value, decltype(nt)::value>, p, stream);
-    });
+    if (streaming_blocks_left(p)) {
+      dispatch_fast_shape(p, [&](auto cs, auto nt) {
+        launch(gspn_forward_fast_kernel<decltype(elem), decltype(cs)::value, decltype(nt)::value>, p, stream);
+      });
+    }
+    if (p.vsplit > 0 && !(p.ablate & 16)) launch_split(gspn_forward_split_kernel<decltype(elem)>, p, stream);
   });
 }
 
 void launch_backward_fast(const PropagateParams& p, cudaStream_t stream) {
   dispatch_dtype(p.dtype, [&](auto elem) {
-    dispatch_fast_shape(p, [&](auto cs, auto nt) {
-      launch(gspn_backward_fast_kernel<decltype(elem), decltype(cs)::value, decltype(nt)::value>, p, stream);
-    });
+    if (streaming_blocks_left(p)) {
+      dispatch_fast_shape(p, [&](auto cs, auto nt) {
+        launch(gspn_backward_fast_kernel<decltype(elem), decltype(cs)::value, decltype(nt)::value>, p, stream);
+      });
+    }
+    if (p.vsplit > 0 && !(p.ablate & 16)) launch_split(gspn_backward_split_kernel<decltype(elem)>, p, stream);
   });
   launch_backward_reduce(p, stream);
 }

@@ -97,8 +97,9 @@ def plan(B, C, H, W, K, dtype="float32", backward=False, kernel=None, cluster_ct
     """The kernels' launch plan (kernel family, channel slice, tile, block shape, shared memory).
 
     Streaming plans also give ``cluster_ctas``: CTAs per line of the cluster kernel that computes the
-    horizontal directions (0: the streaming kernel does). Without a GPU the plan is an H200's. ``kernel`` and
-    ``cluster_ctas`` default to the process options.
+    horizontal directions (0: the streaming kernel does), and ``split_ctas``: CTAs per line of the split kernel
+    that then computes the vertical ones (0: one block per line in the streaming kernel). Without a GPU the
+    plan is an H200's. ``kernel`` and ``cluster_ctas`` default to the process options.
     """
     require_extension()
     opts = _options.current()

@@ -15,7 +15,8 @@ environment         option                               values
                     kernel family                        (streaming only), ``general``, ``cluster``,
                                                          ``short`` (short lines: H, W <= 32)
 (none)              ``cluster_ctas``: CTAs per line of   0 (the planner's choice), 2, 4, 8
-                    the cluster kernels (benchmarks)
+                    the cluster kernels, horizontal
+                    and split vertical (benchmarks)
 ``GSPN2_DWCONV``    ``dwconv``: the depthwise            ``auto`` (the kernel where it measured faster
                     convolution on CUDA tensors          than cuDNN: K = 3, 7), ``cuda`` (every K it
                                                          supports, else an error), ``cudnn``,

@@ -132,6 +132,9 @@ def test_cluster_kernel_choice():
         assert _cuda.plan(*args)["cluster_ctas"] == 0, args
     for dt in ("float32", "bfloat16", "float16"):
         assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_ctas"] == 8, dt  # <= 128 rows per CTA
+    # The 16-bit backward's CTAs fit two per SM (228 KB of shared memory, 1 KB of it reserved per CTA).
+    for dt in ("bfloat16", "float16"):
+        assert 2 * (_cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_smem_bytes"] + 1024) <= 228 * 1024
     # The backward by problem size: 64 x 2 x 128^2 = 2^21 elements yes, 16 x 2 x 128^2 and 1 x 8 x 256^2 no.
     assert _cuda.plan(64, 2, 128, 128, 2, "float32", backward=True)["cluster_ctas"] == 2
     assert _cuda.plan(32, 49, 32, 32, 49, "float32", backward=True)["cluster_ctas"] == 2
@@ -144,6 +147,18 @@ def test_cluster_kernel_choice():
     for args in [(16, 2, 128, 128, 2, "float32"), (1, 8, 256, 256, 1, "float32"), (16, 2, 128, 128, 2, "bfloat16")]:
         assert _cuda.plan(*args, backward=True)["cluster_ctas"] == 0, args
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", kernel="fast")["cluster_ctas"] == 0
+    # The vertical lines split over a cluster where one block per line leaves SMs idle (with the cluster
+    # kernels only): 64 lines of 1024 on 2 CTAs each, 16 lines on 8; not where the lines fill the GPU.
+    for dt in ("float32", "bfloat16"):
+        assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["split_ctas"] == 2, dt
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["split_ctas"] == 2
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["split_ctas"] == 0  # no cluster forward in 16-bit
+    assert _cuda.plan(1, 8, 1024, 1024, 1, "float32")["split_ctas"] == 8
+    assert _cuda.plan(128, 8, 64, 64, 1, "bfloat16", backward=True)["split_ctas"] == 0
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", kernel="fast")["split_ctas"] == 0
+    options.set_options(kernel="cluster")  # every vertical line split, 2 CTAs or more
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["split_ctas"] == 2
+    assert _cuda.plan(128, 8, 64, 64, 1, "bfloat16", backward=True)["split_ctas"] == 2
     options.set_options(kernel="cluster")  # the process option fills `kernel` (restored by the fixture)
     assert _cuda.plan(2, 2, 40, 16, 1, "float32")["cluster_ctas"] > 0  # any height
     assert _cuda.plan(8, 2, 512, 512, 2, "float32")["cluster_ctas"] == 4  # 32 lines x 2 CTAs < 0.9 x 132 SMs

@@ -257,6 +257,36 @@ def test_cluster_kernels_16bit(case, dtype):
         assert torch.equal(u, v), name_
 
 
+# Split vertical lines (kernel="cluster" splits every vertical line, `cluster_ctas` sets the CTAs per line of
+# both cluster kernels): CTAs that own no position (W = 208 on 8 CTAs of 32), several exchanges per scan (every
+# 16 steps), restarts on and off the exchange steps, K < C, 4 and 2 CTAs per line.
+SPLIT_CASES = [
+    ((1, 1, 64, 208, 1, 7), 8),
+    ((2, 2, 40, 1008, 2, None), 4),
+    ((3, 2, 50, 144, 1, 16), 2),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case,n", SPLIT_CASES, ids=lambda v: _ids(v) if isinstance(v, tuple) else f"n{v}")
+def test_split_vertical_lines(case, n, dtype):
+    """Within the float64 reference's bounds, and bitwise equal to the streaming kernels (one block per line)."""
+    B, C, H, W, K, chunk = case
+    name = str(dtype).split(".")[1]
+    options.set_options(kernel="cluster", cluster_ctas=n)
+    for backward in (False, True):
+        plan = _cuda.plan(B, C, H, W, K, name, backward=backward)
+        assert plan["split_ctas"] == n and plan["cluster_ctas"] == n, backward
+    test_matches_float64_reference(case, dtype)
+    inputs = _inputs(B, C, H, W, K, dtype, seed=8)
+    got = _run_kernel(*inputs, chunk)
+    options.set_options(kernel="fast", cluster_ctas=0)
+    assert _cuda.plan(B, C, H, W, K, name)["split_ctas"] == 0
+    want = _run_kernel(*inputs, chunk)
+    for name_, u, v in zip(NAMES, got, want):
+        assert torch.equal(u, v), name_
+
+
 def test_cluster_kernel_deterministic_and_chosen_by_auto():
     """auto: the forward's cluster kernel from H = 768, the backward's by problem size."""
     options.set_options(kernel="auto")

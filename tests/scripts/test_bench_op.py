@@ -18,6 +18,8 @@ def test_kernel_name_and_table_show_the_cluster_kernel(bench):
     assert bench.kernel_name({"kernel": "fast", "cs": 1, "cluster_ctas": 2}) == "fast (1) + cluster x2"
     assert bench.kernel_name({"kernel": "fast", "cs": 4, "cluster_ctas": 0}) == "fast (4)"
     assert bench.kernel_name({"kernel": "general", "cs": 2}) == "general (2)"
+    split = {"kernel": "fast", "cs": 1, "cluster_ctas": 8, "split_ctas": 2}
+    assert bench.kernel_name(split) == "fast (1) + cluster x8 + split x2"
     rec = dict(label="GSPN-1 anchor", B=16, C=2, H=1024, W=1024, K=2, dtype="fp32", fwd_ms=1.5, bwd_ms=12.3,
                fwd_floor_ms=0.758, bwd_floor_ms=1.42, fwd_pct_floor=50.5, bwd_pct_floor=11.5, general_fwd_ms=3.71,
                general_bwd_ms=20.7, stream_fwd_ms=2.01, stream_bwd_ms=12.4, plan_fwd={"kernel": "fast", "cs": 1, "cluster_ctas": 2},
