@@ -142,8 +142,8 @@ int smem_bytes(const PropagateParams& p, bool backward) {
 // position; blocks of more than kFastSmallThreads threads (64 registers each) keep one channel, smaller
 // ones up to four channels of a group. Horizontal scans use the per-thread tile stage when W is a
 // multiple of the tile and it fits. kernel='general' forces the general kernels (tests, comparisons).
-// The horizontal directions go to the cluster kernels (W a multiple of its tile, sm_90): the float32 forward
-// for lines of at least kClusterAutoMinLine rows, the backward (every dtype) for problems of at least
+// The horizontal directions go to the cluster kernels (W a multiple of its tile, sm_90): the forward (every
+// dtype) for lines of at least kClusterAutoMinLine rows, the backward (every dtype) for problems of at least
 // kClusterAutoMinElemsBwd elements (B * C * H * W), or always with kernel='cluster': the
 // fewest CTAs per line whose rows fit one CTA, doubled (up to 8) while the launch leaves SMs idle;
 // `cluster_ctas` overrides the count (benchmarks).
@@ -154,9 +154,6 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
   const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
   if (!forced && !(o.family == Family::Auto && large)) return;
-  // auto: the forward in float32 only (the 16-bit forward measured slower than the streaming kernels on most
-  // shapes); the backward in every dtype.
-  if (!forced && !backward && p.dtype != ScalarType::Float) return;
   if (!forced && backward && p.dtype != ScalarType::Float && p.H < kClusterAutoMinLineBwd16) return;
   if (p.W % kClusterTile != 0 || cc_major < 9) {
     GSPN2_CHECK(!forced, "kernel='cluster' needs W a multiple of ", kClusterTile,

@@ -119,16 +119,22 @@ def test_short_kernel_choice():
 @pytest.mark.skipif(os.environ.get("GSPN2_BUILD_CUDA") == "0", reason="GSPN2_BUILD_CUDA=0 skips the extension")
 def test_cluster_kernel_choice():
     """Under auto (planned as on an H200 here) the horizontal directions go to the cluster kernels: the
-    float32 forward for H >= 768, the backward (every dtype) for B * C * H * W >= 2^20; the fewest CTAs per
-    line, doubled while SMs would idle; never the 16-bit forward, W not a multiple of its tile, or smaller
-    problems.
+    forward (every dtype) for H >= 512, the backward (every dtype) for B * C * H * W >= 2^20; the fewest CTAs
+    per line, doubled while SMs would idle; never W not a multiple of its tile, or smaller problems.
     kernel="cluster" forces it and names what it needs."""
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 2  # 128 CTAs on 132 SMs
     assert _cuda.plan(4, 2, 1024, 1024, 2, "float32")["cluster_ctas"] == 8  # 16 lines: doubled twice
     assert _cuda.plan(16, 2, 768, 768, 2, "float32")["cluster_ctas"] == 2
+    for dt in ("float32", "bfloat16", "float16"):  # the forward from H = 512, every dtype
+        assert _cuda.plan(16, 2, 512, 512, 2, dt)["cluster_ctas"] == 2, dt
+        assert _cuda.plan(1, 8, 512, 512, 1, dt)["cluster_ctas"] == 8, dt
+        assert _cuda.plan(1, 8, 384, 384, 1, dt)["cluster_ctas"] == 0, dt
     big = _cuda.plan(1, 8, 1024, 1024, 8, "float32")
     assert big["cluster_ctas"] == 8 and 0 < big["cluster_smem_bytes"] <= 227 * 1024
-    for args in [(16, 2, 1024, 1024, 2, "bfloat16"), (16, 2, 1024, 1000, 2, "float32"), (16, 2, 512, 512, 2, "float32")]:
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["cluster_ctas"] == 2
+    no_cluster = [(16, 2, 1024, 1000, 2, "float32"), (16, 2, 1000, 1000, 2, "bfloat16"),
+                  (64, 2, 256, 256, 2, "float32")]
+    for args in no_cluster:
         assert _cuda.plan(*args)["cluster_ctas"] == 0, args
     for dt in ("float32", "bfloat16", "float16"):
         assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_ctas"] == 8, dt  # <= 128 rows per CTA
@@ -139,7 +145,7 @@ def test_cluster_kernel_choice():
     assert _cuda.plan(64, 2, 128, 128, 2, "float32", backward=True)["cluster_ctas"] == 2
     assert _cuda.plan(32, 49, 32, 32, 49, "float32", backward=True)["cluster_ctas"] == 2
     for args in [(16, 2, 128, 128, 2), (1, 8, 256, 256, 1), (64, 2, 128, 128, 2)]:
-        assert _cuda.plan(*args, "float32")["cluster_ctas"] == 0, args  # the forward: H < 768
+        assert _cuda.plan(*args, "float32")["cluster_ctas"] == 0, args  # the forward: H < 512
     assert _cuda.plan(64, 2, 128, 128, 2, "bfloat16", backward=True)["cluster_ctas"] == 2
     # 16-bit: also H >= 64 (bf16 32 x 49 x 32^2, 1.6 M elements, measured slower with the cluster kernel)
     assert _cuda.plan(32, 49, 32, 32, 49, "bfloat16", backward=True)["cluster_ctas"] == 0
@@ -151,8 +157,8 @@ def test_cluster_kernel_choice():
     # kernels only): 64 lines of 1024 on 2 CTAs each, 16 lines on 8; not where the lines fill the GPU.
     for dt in ("float32", "bfloat16"):
         assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["split_ctas"] == 2, dt
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["split_ctas"] == 2
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["split_ctas"] == 0  # no cluster forward in 16-bit
+        assert _cuda.plan(16, 2, 1024, 1024, 2, dt)["split_ctas"] == 2, dt
+    assert _cuda.plan(16, 2, 384, 384, 2, "bfloat16")["split_ctas"] == 0  # no cluster forward below H = 512
     assert _cuda.plan(1, 8, 1024, 1024, 1, "float32")["split_ctas"] == 8
     assert _cuda.plan(128, 8, 64, 64, 1, "bfloat16", backward=True)["split_ctas"] == 0
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", kernel="fast")["split_ctas"] == 0
