@@ -124,12 +124,18 @@ def test_compiled_training_formulation_options_match_the_default(setting):
 
 
 def test_addmm_split_trains_the_same_function(monkeypatch):
-    """``addmm="split"``: gspn2.inductor.compile's pass writes the backward's matrix ``addmm`` calls back as
-    ``mm`` + ``add`` (it finds some in gspn2_micro's step), and the compiled bf16 step's loss and every
-    parameter gradient match Inductor's own graphs."""
-    rewritten = []
+    """``addmm="split"``: gspn2.inductor.compile's pass runs on the forward and the backward graph and leaves
+    no matrix ``addmm`` in them (a second pass finds none), and the compiled bf16 step's loss and every
+    parameter gradient match Inductor's own graphs. How many it rewrites depends on the torch version:
+    torch 2.11's Inductor formed none in this step on an H100, 2.14's forms some (tests/ops/test_inductor.py
+    checks the rewriting itself on such graphs)."""
+    passes = []
     real = inductor.split_matrix_addmm
-    monkeypatch.setattr(inductor, "split_matrix_addmm", lambda graph: rewritten.append(real(graph)) or 0)
+    def recorded(graph):  # (rewritten, left after the pass)
+        passes.append((real(graph), real(graph)))
+        return passes[-1][0]
+
+    monkeypatch.setattr(inductor, "split_matrix_addmm", recorded)
     x = torch.randn(8, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last)
     results = []
     for choice in ("fused", "split"):
@@ -144,7 +150,7 @@ def test_addmm_split_trains_the_same_function(monkeypatch):
                 loss = compiled(x).float().square().mean()
         loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
-    assert sum(rewritten) > 0
+    assert len(passes) == 2 and all(left == 0 for _, left in passes), passes
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-3)
 
