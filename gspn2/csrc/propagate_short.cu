@@ -34,7 +34,8 @@ namespace {
 using namespace dev;
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kAhead = 4;  // steps whose gates are normalised together
+constexpr int kAhead = 4;     // forward: steps whose gates are normalised together
+constexpr int kAheadBwd = 4;  // the same in the backward
 
 // A run of n bytes (a multiple of 2) split by alignment: `pre` bytes (0 or 2) to a 4-byte boundary, `mid` bytes
 // of 4-byte pieces to a 16-byte boundary, the 16-byte body, `tail` bytes of 4-byte pieces, `post` bytes (0 or 2).
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
 
   // Inputs of reverse step i (scan step s = S - 1 - i), read one step ahead: x, lam, grad_h, and h_{s-1} at
   // q - 1, q, q + 1 (the position itself where a neighbour is missing: its product is masked). The gates
-  // are read a group of kAhead steps at a time, before the group's steps write the gate gradients over them.
+  // are read kAheadBwd steps at a time, before the group's steps write the gate gradients over them.
   struct In {
     Bits x[CS], l[CS], gh[CS], hl[CS], h0[CS], hr[CS];
   };
@@ -308,11 +309,11 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
   for (int c = 0; c < CS; ++c) tm[c] = t0[c] = tp[c] = 0.f;
   const int steps = max(p.H, p.W);
   int sm = (v.S - 1) % v.ce;  // s % ce of the step being processed
-  for (int i0 = 0; i0 < steps; i0 += kAhead) {
-    Gates gq[kAhead];  // the group's gates (branch-free: unused steps normalise zeros)
+  for (int i0 = 0; i0 < steps; i0 += kAheadBwd) {
+    Gates gq[kAheadBwd];  // the group's gates (branch-free: unused steps normalise zeros)
     int smt = sm;
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
+    for (int j = 0; j < kAheadBwd; ++j) {
       const int s = v.S - 1 - (i0 + j);
       const int o = v.off(s);
       const bool own = v.has(s);  // the gate gradients replace the gates (see Lane::off)
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(128) short_backward_kernel(const PropagatePara
       smt = (smt == 0) ? v.ce - 1 : smt - 1;
     }
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
+    for (int j = 0; j < kAheadBwd; ++j) {
       const int i = i0 + j;
       if (i >= steps) break;
       In nxt;
