@@ -35,6 +35,7 @@ __host__ __device__ constexpr int fast_line_stride(int cs, bool backward) { retu
 constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per side
 constexpr int kClusterMaxRows = 512;
 constexpr int kClusterMaxRowsBwd = 128;  // the backward stages 7 planes twice and 5 output planes
+constexpr int kClusterMaxRowsBwd16 = 256;  // ... 16-bit planes with `cluster_ctas` set (auto keeps 128)
 constexpr int kClusterAutoMinLine = 512;  // GSPN2_KERNEL=auto: the forward for H >= this (bench_op.py --cluster-choice)
 constexpr int64_t kClusterAutoMinElemsBwd = int64_t(1) << 20;  // ... the backward for B * C * H * W >= this
 constexpr int kClusterAutoMinLineBwd16 = 64;  // ... and, with 16-bit inputs, H >= this (bf16 32x49x32^2 measured slower)

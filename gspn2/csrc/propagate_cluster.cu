@@ -288,7 +288,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
 // Outputs of the own rows only; the arithmetic per pixel is the streaming backward's (backward_step).
 // Every dtype: the input planes are RowIO rows (64 bytes fp32, 32 bytes 16-bit); grad_lam leaves in the
 // input dtype, the grad_x terms and gate partials in fp32, unsplit gate gradients in the input dtype.
-constexpr int kMaxThreadsBwd = kClusterMaxRowsBwd + 2 * HALO;
+// Threads per CTA at most: 16-bit inputs take up to kClusterMaxRowsBwd16 rows (with `cluster_ctas` set; two
+// boxes per plane), float32 up to kClusterMaxRowsBwd.
+template <typename scalar_t>
+constexpr int kMaxThreadsBwd = (sizeof(scalar_t) == 2 ? kClusterMaxRowsBwd16 : kClusterMaxRowsBwd) + 2 * HALO;
 constexpr int NIN_B = 7, NOUT_B = 5;
 // Bytes of the backward's output stage: grad_lam in rows of the input dtype (rb bytes: 32 for 16-bit inputs,
 // which keeps the 16-bit kernel within half an SM's shared memory, two CTAs per SM), the other four planes in
@@ -299,7 +302,7 @@ __host__ __device__ constexpr int bwd_out_bytes(int R, int rb) { return R * (rb 
 __host__ __device__ constexpr int bwd_stage_bytes(int srows, int rb) { return (2 * NIN_B * srows * rb + 1023) / 1024 * 1024; }
 
 template <typename scalar_t, int NCTA>
-__global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kernel(const __grid_constant__ ClusterParams p) {
+__global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using IO = RowIO<scalar_t>;  // the seven input planes; grad_lam (and unsplit gate gradients) go out in this type
   using IO32 = RowIO<float>;   // the grad_x terms and gate partials: fp32
@@ -312,7 +315,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
   const int row0 = rank * p.R - HALO;  // thread i <-> image row row0 + i
 
   unsigned char* base = smem_base(smem_raw);
-  const int srows = p.boxrows;
+  const int srows = p.nbox * p.boxrows;  // p.nbox TMA boxes of p.boxrows rows per plane
   unsigned char* const stage0 = base;  // [2][NIN_B][srows] rows of RB bytes
   // grad_lam's R rows of RB bytes, then [NOUT_B - 1][R] rows of 64 bytes (a 16-bit gate plane uses the first 32 of
   // each), 1024-byte aligned like the stage
@@ -337,12 +340,16 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
     uint64_t* mb = &bar[buf];
     mbar_expect_tx(mb, tx_bytes);
     const int j0 = col0(kt);
-    tma::load_3d(plane(buf, 0), &p.tm_x, j0, row0, px, mb);
-    tma::load_3d(plane(buf, 1), &p.tm_lam, j0, row0, pl, mb);
+    for (int bx = 0; bx < p.nbox; ++bx) {
+      const int r = row0 + bx * p.boxrows;
+      const size_t off = size_t(bx) * p.boxrows * RB;
+      tma::load_3d(plane(buf, 0) + off, &p.tm_x, j0, r, px, mb);
+      tma::load_3d(plane(buf, 1) + off, &p.tm_lam, j0, r, pl, mb);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) tma::load_3d(plane(buf, 2 + k), &p.tm_g, j0, row0, pg + k * p.K, mb);
-    tma::load_3d(plane(buf, 5), &p.tm_gh, j0, row0, pl, mb);
-    tma::load_3d(plane(buf, 6), &p.tm_h, j0, row0, pl, mb);
+      for (int k = 0; k < 3; ++k) tma::load_3d(plane(buf, 2 + k) + off, &p.tm_g, j0, r, pg + k * p.K, mb);
+      tma::load_3d(plane(buf, 5) + off, &p.tm_gh, j0, r, pl, mb);
+      tma::load_3d(plane(buf, 6) + off, &p.tm_h, j0, r, pl, mb);
+    }
   };
   if (i == 0) {
     mbar_init(&bar[0], 1);
@@ -593,13 +600,14 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
   ClusterShape s;
   s.R = round_up((H + ncta - 1) / ncta, 16);  // output boxes of a multiple of 8 rows end at the CTA's rows
   s.NT = s.R + 2 * kClusterTile;
-  if (backward) {  // one box per plane (NT <= 160): two buffers of 7 planes, 5 output planes
-    s.nbox = s.onbox = 1;
-    s.nstage = 2;
-    s.boxrows = round_up(s.NT, 8);
+  if (backward) {  // two buffers of 7 planes (one box per plane up to 256 rows, else two), 5 output planes
+    s.nbox = (s.NT + 255) / 256;
+    s.boxrows = round_up((s.NT + s.nbox - 1) / s.nbox, 8);
+    s.onbox = 1;
     s.oboxrows = s.R;
-    s.smem = 1024 + bwd_stage_bytes(s.boxrows, kClusterTile * esize) + bwd_out_bytes(s.R, kClusterTile * esize) +
-             (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
+    s.nstage = 2;
+    s.smem = 1024 + bwd_stage_bytes(s.nbox * s.boxrows, kClusterTile * esize) +
+             bwd_out_bytes(s.R, kClusterTile * esize) + (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
     return s;
   }
   s.nbox = (s.NT + 255) / 256;  // TMA boxes have at most 256 rows

@@ -191,6 +191,13 @@ def test_cluster_kernel_choice():
         _cuda.plan(16, 2, 1024, 1024, 2, "float32", cluster_ctas=3)
     with pytest.raises(ValueError, match="`cluster_ctas` = 2 leaves more than 128 rows"):
         _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True, cluster_ctas=2)
+    # The 16-bit backward takes up to 256 rows per CTA there (two TMA boxes per plane, within one SM's shared
+    # memory); auto keeps 128.
+    for dt in ("bfloat16", "float16"):
+        wide = _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True, cluster_ctas=4)
+        assert wide["cluster_ctas"] == 4 and wide["cluster_smem_bytes"] <= 227 * 1024, dt
+        with pytest.raises(ValueError, match="`cluster_ctas` = 2 leaves more than 256 rows"):
+            _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True, cluster_ctas=2)
 
 
 def test_options_parse_the_environment_once_and_strictly():
