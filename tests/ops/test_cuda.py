@@ -280,6 +280,23 @@ def test_cluster_forward_stage_buffers(dtype, ncta, stages):
     assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cluster_backward_16bit_256_rows(dtype):
+    """`cluster_ctas` lets the 16-bit backward take 256 rows per CTA (two TMA boxes per plane, 288 threads):
+    every gradient bitwise equal to the streaming kernels', with restarts."""
+    B, C, H, W, K, chunk = 2, 2, 500, 64, 1, 7
+    name = str(dtype).split(".")[1]
+    options.set_options(kernel="cluster", cluster_ctas=2)  # 250 rows per CTA, rounded up to 256
+    plan = _cuda.plan(B, C, H, W, K, name, backward=True)
+    assert plan["cluster_ctas"] == 2 and plan["cluster_smem_bytes"] <= 227 * 1024
+    inputs = _inputs(B, C, H, W, K, dtype, seed=10)
+    got = _run_kernel(*inputs, chunk)
+    options.set_options(kernel="fast", cluster_ctas=0)
+    want = _run_kernel(*inputs, chunk)
+    for name_, u, v in zip(NAMES, got, want):
+        assert torch.equal(u, v), name_
+
+
 # Split vertical lines (kernel="cluster" splits every vertical line, `cluster_ctas` sets the CTAs per line of
 # both cluster kernels): CTAs that own no position (W = 208 on 8 CTAs of 32), several exchanges per scan (every
 # 16 steps), restarts on and off the exchange steps, K < C, 4 and 2 CTAs per line.
