@@ -259,7 +259,9 @@ def cluster_choice(out_dir: str) -> list:
         for n in (2, 4, 8):
             if (H + n - 1) // n <= 512:
                 row[f"cluster{n}_ms"] = median_ms(lambda: fwd(x, lam, gates, "cluster", n))
-            if (H + n - 1) // n <= 128:  # the backward kernel's rows per CTA
+                row[f"cluster{n}_stages"] = _cuda.plan(B, C, H, H, K, name, kernel="cluster", cluster_ctas=n)[
+                    "cluster_stages"]
+            if (H + n - 1) // n <= (256 if dt == "bf16" else 128):  # the backward kernel's rows per CTA
                 row[f"cluster{n}_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h, "cluster", n))
         row["auto_ms"] = median_ms(lambda: fwd(x, lam, gates))
         row["auto_bwd_ms"] = median_ms(lambda: bwd(grad_h, x, lam, gates, h))

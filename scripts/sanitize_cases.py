@@ -16,7 +16,10 @@ Groups:
 * ``cluster``: the thread-block-cluster kernels forced (``GSPN2_KERNEL=cluster``; Hopper only), forward
   and backward, fp32 / bf16 / fp16, K < C and chunk restarts; the vertical lines split over 2 CTAs, with
   exchanges every 16 steps on the taller images. The backward runs through autograd, i.e. on
-  autograd's device thread, where the kernels must bind the CUDA context themselves.
+  autograd's device thread, where the kernels must bind the CUDA context themselves. Then CTA counts set
+  with ``cluster_ctas``: the float32 forward with one stage buffer (304 rows per CTA, forward only: the
+  float32 backward takes at most 128 rows) and the 16-bit backward with 256 rows per CTA (two TMA boxes
+  per plane).
 * ``dwconv``: the depthwise convolution kernels forced for every kernel size (``GSPN2_DWCONV=cuda``) with
   both backwards and both column counts, with and without the residual, and the inference-only fused SiLU;
   also on shapes whose backward CTAs loop over several tiles.
@@ -53,6 +56,11 @@ CLUSTER_CASES = [
     (1, 1, 40, 208, 1, 7, "float32"),
     (1, 2, 36, 144, 1, None, "bfloat16"),
 ]
+# (B, C, H, W, K, chunk, dtype name, cluster_ctas, backward too)
+CLUSTER_CTAS_CASES = [
+    (1, 1, 600, 32, 1, 9, "float32", 2, False),
+    (1, 2, 500, 32, 1, 7, "bfloat16", 2, True),
+]
 # (B, C, H, W, kernel size, residual, dtype name)
 DWCONV_CASES = [
     (1, 16, 9, 13, 7, True, "bfloat16"),
@@ -79,6 +87,24 @@ def run_op(cases) -> None:
         gates = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dtype, requires_grad=True)
         h = gspn_propagate(x, lam, gates, chunk)
         torch.autograd.grad(h, (x, lam, gates), torch.randn_like(h))
+    torch.cuda.synchronize()
+
+
+def run_cluster_ctas() -> None:
+    import torch
+
+    from gspn2.ops import gspn_propagate, options
+
+    for B, C, H, W, K, chunk, dt, ctas, backward in CLUSTER_CTAS_CASES:
+        options.set_options(cluster_ctas=ctas)
+        dtype = getattr(torch, dt)
+        x = torch.randn(B, C, H, W, device="cuda", dtype=dtype, requires_grad=backward)
+        lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dtype, requires_grad=backward)
+        gates = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dtype, requires_grad=backward)
+        h = gspn_propagate(x, lam, gates, chunk)
+        if backward:
+            torch.autograd.grad(h, (x, lam, gates), torch.randn_like(h))
+    options.set_options(cluster_ctas=0)
     torch.cuda.synchronize()
 
 
@@ -125,6 +151,8 @@ def main() -> None:
         run_dwconv()
     else:
         run_op({"op": OP_CASES, "short": SHORT_CASES, "cluster": CLUSTER_CASES}[args.group])
+        if args.group == "cluster":
+            run_cluster_ctas()
     print(f"sanitize cases '{args.group}' ok")
 
 

@@ -151,6 +151,7 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   const bool forced = o.family == Family::Cluster;
   p.ncta = 0;
   p.cluster_smem = 0;
+  p.cluster_stages = 0;
   // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
   const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
   if (!forced && !(o.family == Family::Auto && large)) return;
@@ -172,9 +173,10 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
          (p.H + 2 * ncta - 1) / (2 * ncta) >= 2 * kClusterTile) {
     ncta *= 2;
   }
-  if (o.cluster_ctas > 0) {  // benchmarks
-    GSPN2_CHECK((p.H + o.cluster_ctas - 1) / o.cluster_ctas <= max_rows, "`cluster_ctas` = ", o.cluster_ctas,
-                " leaves more than ", max_rows, " rows per CTA for H = ", p.H);
+  if (o.cluster_ctas > 0) {  // benchmarks; the 16-bit backward also takes up to kClusterMaxRowsBwd16 rows there
+    const int most = backward && p.dtype != ScalarType::Float ? kClusterMaxRowsBwd16 : max_rows;
+    GSPN2_CHECK((p.H + o.cluster_ctas - 1) / o.cluster_ctas <= most, "`cluster_ctas` = ", o.cluster_ctas,
+                " leaves more than ", most, " rows per CTA for H = ", p.H);
     ncta = o.cluster_ctas;
   }
   const ClusterShape s = cluster_shape(p.H, ncta, backward, element_size(p.dtype));
@@ -185,6 +187,7 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   }
   p.ncta = ncta;
   p.cluster_smem = s.smem;
+  p.cluster_stages = s.nstage;
 }
 
 // Split vertical lines (propagate_streaming.cu), with the cluster kernels only (otherwise the horizontal
@@ -612,7 +615,10 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
     d["tile_h"] = bool(p.tile_h);
     d["line_stride"] = p.ls;
     d["cluster_ctas"] = p.ncta;  // > 0: the horizontal directions run in the cluster kernel
-    if (p.ncta > 0) d["cluster_smem_bytes"] = p.cluster_smem;
+    if (p.ncta > 0) {
+      d["cluster_smem_bytes"] = p.cluster_smem;
+      d["cluster_stages"] = p.cluster_stages;  // the cluster kernel's input stage buffers
+    }
     d["split_ctas"] = p.vsplit;  // > 0: the vertical directions run split over that many CTAs per line
     if (p.vsplit > 0) {
       d["split_threads"] = p.vs_nt;

@@ -136,7 +136,8 @@ __device__ __forceinline__ unsigned char* smem_base(unsigned char* smem_raw) {
 }
 #endif
 
-template <typename scalar_t, int NCTA>
+// NSTAGE input stage buffers: with 2 the next tile's loads overlap the whole of this tile's work.
+template <typename scalar_t, int NCTA, int NSTAGE>
 __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using IO = RowIO<scalar_t>;
@@ -148,15 +149,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   const int nt = p.NT, i = threadIdx.x;
   const int row0 = rank * p.R - HALO;  // thread i <-> image row row0 + i
 
-  // Layout: stage [NPLANE][srows] rows of RB bytes, output stage [orows] rows, then the exchange lines,
-  // the inboxes and the mbarrier.
+  // Layout: stage [NSTAGE][NPLANE][srows] rows of RB bytes, output stage [orows] rows, then the exchange
+  // lines, the inboxes and one mbarrier per stage buffer.
   unsigned char* base = smem_base(smem_raw);
   const int srows = p.nbox * p.boxrows, orows = p.onbox * p.oboxrows;
+  const size_t stage_bytes = size_t(NPLANE) * srows * RB;  // one buffer; a multiple of the swizzle period
   unsigned char* const stage = base;
-  unsigned char* const ostage = stage + size_t(NPLANE) * srows * RB;
+  unsigned char* const ostage = stage + NSTAGE * stage_bytes;
   float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * RB);  // [2][nt + 2], row i at i + 1
   float* const inbox = line + 2 * (nt + 2);                                  // [2 tiles][lower, upper][HALO]
-  uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 4 * HALO + 2);
+  uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 4 * HALO + 2);  // [NSTAGE]
   for (int k = i; k < 2 * (nt + 2) + 4 * HALO; k += blockDim.x) line[k] = 0.f;
 
   const int px = b * p.C + c;                    // plane of x
@@ -165,35 +167,41 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   const int ntl = p.W / T;
   const uint32_t tx_bytes = uint32_t(NPLANE) * srows * RB;
   auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
-  auto issue = [&](int kt) {  // thread 0
-    mbar_expect_tx(bar, tx_bytes);
+  auto issue = [&](int kt, int buf) {  // thread 0
+    uint64_t* mb = &bar[buf];
+    mbar_expect_tx(mb, tx_bytes);
     const int j0 = col0(kt);
     for (int bx = 0; bx < p.nbox; ++bx) {
       const int r = row0 + bx * p.boxrows;
-      unsigned char* dst = stage + size_t(bx) * p.boxrows * RB;
-      tma::load_3d(dst, &p.tm_x, j0, r, px, bar);
-      tma::load_3d(dst + size_t(srows) * RB, &p.tm_lam, j0, r, pl, bar);
+      unsigned char* dst = stage + buf * stage_bytes + size_t(bx) * p.boxrows * RB;
+      tma::load_3d(dst, &p.tm_x, j0, r, px, mb);
+      tma::load_3d(dst + size_t(srows) * RB, &p.tm_lam, j0, r, pl, mb);
 #pragma unroll
-      for (int k = 0; k < 3; ++k) tma::load_3d(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, bar);
+      for (int k = 0; k < 3; ++k) tma::load_3d(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, mb);
     }
   };
   if (i == 0) {
-    mbar_init(bar, 1);
+    for (int k = 0; k < NSTAGE; ++k) mbar_init(&bar[k], 1);
     tma::mbar_init_fence();
   }
   __syncthreads();
-  if (i == 0) issue(0);
+  if (i == 0) issue(0, 0);
   cluster.sync();  // lines and inboxes zeroed, every CTA of the cluster running before any remote store
 
   float xl[T], w0[T], w1[T], w2[T];  // per step of the tile (scan order): x * lam, normalised weights
   int par = 0, sm = 0;               // exchange line in use; step index modulo the restart period
   for (int kt = 0; kt < ntl; ++kt) {
-    mbar_wait(bar, kt & 1);
+    const int buf = NSTAGE == 2 ? kt & 1 : 0;
+    // Two buffers: the other one was last read before the previous tile's first barrier, so the next
+    // tile's loads go out now and overlap this whole tile.
+    if (NSTAGE == 2 && i == 0 && kt + 1 < ntl) issue(kt + 1, buf ^ 1);
+    mbar_wait(&bar[buf], (kt / NSTAGE) & 1);
+    const unsigned char* const sb = stage + buf * stage_bytes;
 #pragma unroll
     for (int pc = 0; pc < IO::NPC; ++pc) {
       uint4 f[NPLANE];
 #pragma unroll
-      for (int k = 0; k < NPLANE; ++k) f[k] = IO::load(stage + size_t(k) * srows * RB, i, pc);
+      for (int k = 0; k < NPLANE; ++k) f[k] = IO::load(sb + size_t(k) * srows * RB, i, pc);
 #pragma unroll
       for (int e = 0; e < EPP; ++e) {
         const int j = pc * EPP + e;               // column j of the tile
@@ -212,7 +220,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
     }
     if (i == 0 && kt > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // ostage read
     __syncthreads();  // stage read (it may be refilled), halo rows in place, output stage free
-    if (i == 0 && kt + 1 < ntl) issue(kt + 1);
+    if (NSTAGE == 1 && i == 0 && kt + 1 < ntl) issue(kt + 1, 0);
 
     float hv = 0.f;
 #pragma unroll
@@ -280,7 +288,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
 // Outputs of the own rows only; the arithmetic per pixel is the streaming backward's (backward_step).
 // Every dtype: the input planes are RowIO rows (64 bytes fp32, 32 bytes 16-bit); grad_lam leaves in the
 // input dtype, the grad_x terms and gate partials in fp32, unsplit gate gradients in the input dtype.
-constexpr int kMaxThreadsBwd = kClusterMaxRowsBwd + 2 * HALO;
+// Threads per CTA at most: 16-bit inputs take up to kClusterMaxRowsBwd16 rows (with `cluster_ctas` set; two
+// boxes per plane), float32 up to kClusterMaxRowsBwd.
+template <typename scalar_t>
+constexpr int kMaxThreadsBwd = (sizeof(scalar_t) == 2 ? kClusterMaxRowsBwd16 : kClusterMaxRowsBwd) + 2 * HALO;
 constexpr int NIN_B = 7, NOUT_B = 5;
 // Bytes of the backward's output stage: grad_lam in rows of the input dtype (rb bytes: 32 for 16-bit inputs,
 // which keeps the 16-bit kernel within half an SM's shared memory, two CTAs per SM), the other four planes in
@@ -291,7 +302,7 @@ __host__ __device__ constexpr int bwd_out_bytes(int R, int rb) { return R * (rb 
 __host__ __device__ constexpr int bwd_stage_bytes(int srows, int rb) { return (2 * NIN_B * srows * rb + 1023) / 1024 * 1024; }
 
 template <typename scalar_t, int NCTA>
-__global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kernel(const __grid_constant__ ClusterParams p) {
+__global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using IO = RowIO<scalar_t>;  // the seven input planes; grad_lam (and unsplit gate gradients) go out in this type
   using IO32 = RowIO<float>;   // the grad_x terms and gate partials: fp32
@@ -304,7 +315,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
   const int row0 = rank * p.R - HALO;  // thread i <-> image row row0 + i
 
   unsigned char* base = smem_base(smem_raw);
-  const int srows = p.boxrows;
+  const int srows = p.nbox * p.boxrows;  // p.nbox TMA boxes of p.boxrows rows per plane
   unsigned char* const stage0 = base;  // [2][NIN_B][srows] rows of RB bytes
   // grad_lam's R rows of RB bytes, then [NOUT_B - 1][R] rows of 64 bytes (a 16-bit gate plane uses the first 32 of
   // each), 1024-byte aligned like the stage
@@ -329,12 +340,16 @@ __global__ void __launch_bounds__(kMaxThreadsBwd, 1) gspn_backward_cluster_kerne
     uint64_t* mb = &bar[buf];
     mbar_expect_tx(mb, tx_bytes);
     const int j0 = col0(kt);
-    tma::load_3d(plane(buf, 0), &p.tm_x, j0, row0, px, mb);
-    tma::load_3d(plane(buf, 1), &p.tm_lam, j0, row0, pl, mb);
+    for (int bx = 0; bx < p.nbox; ++bx) {
+      const int r = row0 + bx * p.boxrows;
+      const size_t off = size_t(bx) * p.boxrows * RB;
+      tma::load_3d(plane(buf, 0) + off, &p.tm_x, j0, r, px, mb);
+      tma::load_3d(plane(buf, 1) + off, &p.tm_lam, j0, r, pl, mb);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) tma::load_3d(plane(buf, 2 + k), &p.tm_g, j0, row0, pg + k * p.K, mb);
-    tma::load_3d(plane(buf, 5), &p.tm_gh, j0, row0, pl, mb);
-    tma::load_3d(plane(buf, 6), &p.tm_h, j0, row0, pl, mb);
+      for (int k = 0; k < 3; ++k) tma::load_3d(plane(buf, 2 + k) + off, &p.tm_g, j0, r, pg + k * p.K, mb);
+      tma::load_3d(plane(buf, 5) + off, &p.tm_gh, j0, r, pl, mb);
+      tma::load_3d(plane(buf, 6) + off, &p.tm_h, j0, r, pl, mb);
+    }
   };
   if (i == 0) {
     mbar_init(&bar[0], 1);
@@ -543,7 +558,7 @@ void bind_context() { C10_CUDA_CHECK(tma::bind_context()); }
 using ClusterKernel = void (*)(ClusterParams);
 
 template <int NCTA>
-ClusterKernel pick_kernel(ScalarType dtype, bool backward) {
+ClusterKernel pick_kernel(ScalarType dtype, bool backward, int nstage) {
   if (backward) {
     switch (dtype) {
       case ScalarType::Half: return gspn_backward_cluster_kernel<__half, NCTA>;
@@ -551,16 +566,18 @@ ClusterKernel pick_kernel(ScalarType dtype, bool backward) {
       default: return gspn_backward_cluster_kernel<float, NCTA>;
     }
   }
+  // 16-bit inputs always have room for two stage buffers (cluster_shape)
   switch (dtype) {
-    case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA>;
-    case ScalarType::BFloat16: return gspn_forward_cluster_kernel<__nv_bfloat16, NCTA>;
-    default: return gspn_forward_cluster_kernel<float, NCTA>;
+    case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA, 2>;
+    case ScalarType::BFloat16: return gspn_forward_cluster_kernel<__nv_bfloat16, NCTA, 2>;
+    default:
+      return nstage == 2 ? gspn_forward_cluster_kernel<float, NCTA, 2> : gspn_forward_cluster_kernel<float, NCTA, 1>;
   }
 }
 
 template <int NCTA>
 void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStream_t stream, bool backward) {
-  const ClusterKernel kernel = pick_kernel<NCTA>(pp.dtype, backward);
+  const ClusterKernel kernel = pick_kernel<NCTA>(pp.dtype, backward, pp.cluster_stages);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pp.cluster_smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(NCTA * 2 * pp.B * pp.C);
@@ -583,20 +600,27 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
   ClusterShape s;
   s.R = round_up((H + ncta - 1) / ncta, 16);  // output boxes of a multiple of 8 rows end at the CTA's rows
   s.NT = s.R + 2 * kClusterTile;
-  if (backward) {  // one box per plane (NT <= 160): two buffers of 7 planes, 5 output planes
-    s.nbox = s.onbox = 1;
-    s.boxrows = round_up(s.NT, 8);
+  if (backward) {  // two buffers of 7 planes (one box per plane up to 256 rows, else two), 5 output planes
+    s.nbox = (s.NT + 255) / 256;
+    s.boxrows = round_up((s.NT + s.nbox - 1) / s.nbox, 8);
+    s.onbox = 1;
     s.oboxrows = s.R;
-    s.smem = 1024 + bwd_stage_bytes(s.boxrows, kClusterTile * esize) + bwd_out_bytes(s.R, kClusterTile * esize) +
-             (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
+    s.nstage = 2;
+    s.smem = 1024 + bwd_stage_bytes(s.nbox * s.boxrows, kClusterTile * esize) +
+             bwd_out_bytes(s.R, kClusterTile * esize) + (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
     return s;
   }
   s.nbox = (s.NT + 255) / 256;  // TMA boxes have at most 256 rows
   s.boxrows = round_up((s.NT + s.nbox - 1) / s.nbox, 8);
   s.onbox = (s.R + 255) / 256;
   s.oboxrows = s.R / s.onbox;
-  s.smem = 1024 + NPLANE * s.nbox * s.boxrows * kClusterTile * esize + s.onbox * s.oboxrows * kClusterTile * esize +
-           (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8;
+  // Two input stage buffers where they fit (16-bit inputs, or float32 with at most 256 rows per CTA), else one.
+  auto smem = [&](int nstage) {
+    return 1024 + nstage * NPLANE * s.nbox * s.boxrows * kClusterTile * esize +
+           s.onbox * s.oboxrows * kClusterTile * esize + (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8 * nstage;
+  };
+  s.nstage = smem(2) <= kSmemLimit ? 2 : 1;
+  s.smem = smem(s.nstage);
   return s;
 }
 
@@ -627,6 +651,8 @@ void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t
 void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
   const ClusterShape s = cluster_shape(pp.H, pp.ncta, false, element_size(pp.dtype));
+  TORCH_CHECK(s.nstage == pp.cluster_stages && (pp.dtype == ScalarType::Float || s.nstage == 2),
+              "gspn2: cluster forward planned with ", pp.cluster_stages, " stage buffers");
   bind_context();
   ClusterParams p = cluster_params(pp, s);
   make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows, pp.dtype);

@@ -131,6 +131,13 @@ def test_cluster_kernel_choice():
         assert _cuda.plan(1, 8, 384, 384, 1, dt)["cluster_ctas"] == 0, dt
     big = _cuda.plan(1, 8, 1024, 1024, 8, "float32")
     assert big["cluster_ctas"] == 8 and 0 < big["cluster_smem_bytes"] <= 227 * 1024
+    # The forward's two input stage buffers where they fit: 16-bit rows (32 bytes), or float32 with at most
+    # 256 rows per CTA; float32 with 512 rows keeps one (two would need 390 KB).
+    assert big["cluster_stages"] == 2  # 128 rows per CTA
+    for dt, ctas, stages in [("float32", 2, 1), ("float32", 4, 2), ("bfloat16", 2, 2), ("float16", 2, 2)]:
+        pl = _cuda.plan(16, 2, 1024, 1024, 2, dt, cluster_ctas=ctas)
+        assert (pl["cluster_ctas"], pl["cluster_stages"]) == (ctas, stages), (dt, ctas)
+        assert pl["cluster_smem_bytes"] <= 227 * 1024, (dt, ctas)
     assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["cluster_ctas"] == 2
     no_cluster = [(16, 2, 1024, 1000, 2, "float32"), (16, 2, 1000, 1000, 2, "bfloat16"),
                   (64, 2, 256, 256, 2, "float32")]
@@ -184,6 +191,13 @@ def test_cluster_kernel_choice():
         _cuda.plan(16, 2, 1024, 1024, 2, "float32", cluster_ctas=3)
     with pytest.raises(ValueError, match="`cluster_ctas` = 2 leaves more than 128 rows"):
         _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True, cluster_ctas=2)
+    # The 16-bit backward takes up to 256 rows per CTA there (two TMA boxes per plane, within one SM's shared
+    # memory); auto keeps 128.
+    for dt in ("bfloat16", "float16"):
+        wide = _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True, cluster_ctas=4)
+        assert wide["cluster_ctas"] == 4 and wide["cluster_smem_bytes"] <= 227 * 1024, dt
+        with pytest.raises(ValueError, match="`cluster_ctas` = 2 leaves more than 256 rows"):
+            _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True, cluster_ctas=2)
 
 
 def test_options_parse_the_environment_once_and_strictly():

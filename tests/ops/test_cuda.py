@@ -257,6 +257,46 @@ def test_cluster_kernels_16bit(case, dtype):
         assert torch.equal(u, v), name_
 
 
+@pytest.mark.parametrize(
+    "dtype,ncta,stages",
+    [(torch.float32, 2, 1), (torch.float32, 4, 2), (torch.bfloat16, 2, 2)],
+    ids=["fp32-1stage", "fp32-2stages", "bf16-2stages"],
+)
+def test_cluster_forward_stage_buffers(dtype, ncta, stages):
+    """The cluster forward with one input stage buffer (float32, 304 rows per CTA) and with two (the next
+    tile's loads in flight during the whole tile): bitwise equal to the streaming kernels over many tiles,
+    with restarts."""
+    B, C, H, W, K, chunk = 2, 2, 600, 160, 1, 37
+    name = str(dtype).split(".")[1]
+    options.set_options(kernel="cluster", cluster_ctas=ncta)
+    plan = _cuda.plan(B, C, H, W, K, name)
+    assert (plan["cluster_ctas"], plan["cluster_stages"]) == (ncta, stages)
+    x, lam, gates, _ = _inputs(B, C, H, W, K, dtype, seed=9)
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    _poison_cuda_cache()
+    got = gspn_propagate(xs, ls, gs, chunk)
+    options.set_options(kernel="fast", cluster_ctas=0)
+    assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] == 0
+    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cluster_backward_16bit_256_rows(dtype):
+    """`cluster_ctas` lets the 16-bit backward take 256 rows per CTA (two TMA boxes per plane, 288 threads):
+    every gradient bitwise equal to the streaming kernels', with restarts."""
+    B, C, H, W, K, chunk = 2, 2, 500, 64, 1, 7
+    name = str(dtype).split(".")[1]
+    options.set_options(kernel="cluster", cluster_ctas=2)  # 250 rows per CTA, rounded up to 256
+    plan = _cuda.plan(B, C, H, W, K, name, backward=True)
+    assert plan["cluster_ctas"] == 2 and plan["cluster_smem_bytes"] <= 227 * 1024
+    inputs = _inputs(B, C, H, W, K, dtype, seed=10)
+    got = _run_kernel(*inputs, chunk)
+    options.set_options(kernel="fast", cluster_ctas=0)
+    want = _run_kernel(*inputs, chunk)
+    for name_, u, v in zip(NAMES, got, want):
+        assert torch.equal(u, v), name_
+
+
 # Split vertical lines (kernel="cluster" splits every vertical line, `cluster_ctas` sets the CTAs per line of
 # both cluster kernels): CTAs that own no position (W = 208 on 8 CTAs of 32), several exchanges per scan (every
 # 16 steps), restarts on and off the exchange steps, K < C, 4 and 2 CTAs per line.
