@@ -244,7 +244,7 @@ stage_ncu() {
   if ! command -v ncu >/dev/null; then skip_stage "ncu kernels" "ncu (Nsight Compute) not found"; return; fi
   run_stage "ncu kernels" ncu_big.txt ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-    -k "regex:cluster|fast|reduce" -c 6 "$PY" scripts/gpu_profile.py run big
+    -k "regex:cluster|fast|split|reduce" -c 6 "$PY" scripts/gpu_profile.py run big
   run_stage "ncu dwconv" ncu_dwconv.txt ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
     --metrics smsp__inst_executed.sum,smsp__sass_thread_inst_executed_op_ffma_pred_on.sum \
