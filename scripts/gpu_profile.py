@@ -2,6 +2,7 @@
 kernel families per shape.
 
     python scripts/gpu_profile.py run big s128                 # a few calls, for ncu
+    python scripts/gpu_profile.py run big@4                    # ... with kernel="cluster", cluster_ctas=4
     python scripts/gpu_profile.py variants big m56             # a table of kernel families per shape
     python scripts/gpu_profile.py dwconv                       # the depthwise kernels on gspn2_tiny's shapes
     python scripts/gpu_profile.py dwconv t0v4 t1v8             # ... with these variants (bench_dwconv.py's names)
@@ -60,18 +61,27 @@ def run_dwconv(variants: list[str]) -> None:
 
 
 def main():
-    mode, names = sys.argv[1], sys.argv[2:]
+    mode, names = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    if mode not in ("run", "variants", "dwconv"):
+        raise SystemExit(f"gpu_profile.py: the first argument must be run, variants or dwconv, got '{mode}'")
     if mode == "dwconv":
         run_dwconv(names)
         return
-    for name in names:
+    runs = []  # every shape checked before the first call
+    for spec in names:
+        name, _, ctas = spec.partition("@")
+        if name not in SHAPES or ctas not in ("", "2", "4", "8"):
+            raise SystemExit(f"gpu_profile.py: unknown shape '{spec}' (shapes: {', '.join(SHAPES)}; "
+                             "optionally @2, @4 or @8 for the cluster kernels at that many CTAs per line)")
+        runs.append((name, *(("cluster", int(ctas)) if ctas else ("auto", 0))))
+    for name, kernel, n in runs:
         B, C, H, W, K, dt = SHAPES[name]
         x = torch.randn(B, C, H, W, device="cuda", dtype=dt)
         lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dt)
         g = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dt)
-        h = torch.ops.gspn2.propagate(x, lam, g, None, "auto", 0)
+        h = torch.ops.gspn2.propagate(x, lam, g, None, kernel, n)
         gh = torch.randn_like(h)
-        torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, "auto", 0)
+        torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, kernel, n)
         if mode != "variants":
             continue
         from triton.testing import do_bench

@@ -48,3 +48,15 @@ def test_fused_op_benchmarks_refuse_without_a_gpu_and_check_their_arguments(scri
     monkeypatch.setattr("sys.argv", [f"{script}.py", "--batch", "0"])
     with script_module(script) as module, pytest.raises(SystemExit):
         module.main()
+
+
+def test_gpu_profile_refuses_an_unknown_shape_before_any_call(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["gpu_profile.py", "run", "big@4", "big@3"])
+    with script_module("gpu_profile") as module, pytest.raises(SystemExit, match=re.escape("unknown shape 'big@3'")):
+        module.main()
+    monkeypatch.setattr("sys.argv", ["gpu_profile.py", "run", "huge"])
+    with script_module("gpu_profile") as module, pytest.raises(SystemExit, match=re.escape("unknown shape 'huge'")):
+        module.main()
+    monkeypatch.setattr("sys.argv", ["gpu_profile.py", "rnu", "big"])
+    with script_module("gpu_profile") as module, pytest.raises(SystemExit, match="must be run, variants or dwconv"):
+        module.main()
