@@ -2,7 +2,7 @@
 kernel families per shape.
 
     python scripts/gpu_profile.py run big s128                 # a few calls, for ncu
-    python scripts/gpu_profile.py run big@4                    # ... with kernel="cluster", cluster_ctas=4
+    python scripts/gpu_profile.py run big@4                    # ... kernel="cluster", cluster_ctas=4 (where it fits)
     python scripts/gpu_profile.py variants big m56             # a table of kernel families per shape
     python scripts/gpu_profile.py dwconv                       # the depthwise kernels on gspn2_tiny's shapes
     python scripts/gpu_profile.py dwconv t0v4 t1v8             # ... with these variants (bench_dwconv.py's names)
@@ -81,7 +81,12 @@ def main():
         g = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dt)
         h = torch.ops.gspn2.propagate(x, lam, g, None, kernel, n)
         gh = torch.randn_like(h)
-        torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, kernel, n)
+        try:
+            torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, kernel, n)
+        except ValueError as e:  # shape@ctas: the float32 backward takes at most 128 rows per CTA
+            if not n:
+                raise
+            print(f"{name}@{n}: backward not run: {e}", flush=True)
         if mode != "variants":
             continue
         from triton.testing import do_bench
