@@ -73,16 +73,17 @@ def main():
         if name not in SHAPES or ctas not in ("", "2", "4", "8"):
             raise SystemExit(f"gpu_profile.py: unknown shape '{spec}' (shapes: {', '.join(SHAPES)}; "
                              "optionally @2, @4 or @8 for the cluster kernels at that many CTAs per line)")
-        runs.append((name, *(("cluster", int(ctas)) if ctas else ("auto", 0))))
-    for name, kernel, n in runs:
+        runs.append((name, int(ctas or 0)))
+    for name, n in runs:
+        family = "cluster" if n else "auto"
         B, C, H, W, K, dt = SHAPES[name]
         x = torch.randn(B, C, H, W, device="cuda", dtype=dt)
         lam = torch.randn(B, 4, C, H, W, device="cuda", dtype=dt)
         g = torch.randn(B, 4, 3, K, H, W, device="cuda", dtype=dt)
-        h = torch.ops.gspn2.propagate(x, lam, g, None, kernel, n)
+        h = torch.ops.gspn2.propagate(x, lam, g, None, family, n)
         gh = torch.randn_like(h)
         try:
-            torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, kernel, n)
+            torch.ops.gspn2.propagate_backward(gh, x, lam, g, h, None, family, n)
         except ValueError as e:  # shape@ctas: the float32 backward takes at most 128 rows per CTA
             if not n:
                 raise
