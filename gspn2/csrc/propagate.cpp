@@ -152,6 +152,7 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   p.ncta = 0;
   p.cluster_smem = 0;
   p.cluster_stages = 0;
+  p.cluster_threads = 0;
   // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
   const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
   if (!forced && !(o.family == Family::Auto && large)) return;
@@ -188,6 +189,7 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   p.ncta = ncta;
   p.cluster_smem = s.smem;
   p.cluster_stages = s.nstage;
+  p.cluster_threads = s.threads;
 }
 
 // Split vertical lines (propagate_streaming.cu), with the cluster kernels only (otherwise the horizontal
@@ -618,6 +620,7 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
     if (p.ncta > 0) {
       d["cluster_smem_bytes"] = p.cluster_smem;
       d["cluster_stages"] = p.cluster_stages;  // the cluster kernel's input stage buffers
+      d["cluster_threads"] = p.cluster_threads;
     }
     d["split_ctas"] = p.vsplit;  // > 0: the vertical directions run split over that many CTAs per line
     if (p.vsplit > 0) {

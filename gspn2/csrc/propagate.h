@@ -36,6 +36,9 @@ constexpr int kClusterTile = 16;        // scan steps per tile = halo rows per s
 constexpr int kClusterMaxRows = 512;
 constexpr int kClusterMaxRowsBwd = 128;  // the backward stages 7 planes twice and 5 output planes
 constexpr int kClusterMaxRowsBwd16 = 256;  // ... 16-bit planes with `cluster_ctas` set (auto keeps 128)
+// Threads per row in the backward's phase B (float32: two, on half a tile's columns each; 16-bit: one, which
+// keeps two CTAs per SM within the register file).
+__host__ __device__ constexpr int cluster_bwd_slices(int esize) { return esize == 4 ? 2 : 1; }
 constexpr int kClusterAutoMinLine = 512;  // GSPN2_KERNEL=auto: the forward for H >= this (bench_op.py --cluster-choice)
 constexpr int64_t kClusterAutoMinElemsBwd = int64_t(1) << 20;  // ... the backward for B * C * H * W >= this
 constexpr int kClusterAutoMinLineBwd16 = 64;  // ... and, with 16-bit inputs, H >= this (bf16 32x49x32^2 measured slower)
@@ -161,6 +164,7 @@ struct PropagateParams {
   int ncta;          // > 0: the horizontal directions run in the cluster kernel, ncta CTAs per line
   int cluster_smem;  // its dynamic shared memory per CTA
   int cluster_stages;  // its input stage buffers
+  int cluster_threads;  // its threads per CTA
   int vsplit;        // > 0 (only with ncta > 0): the vertical directions run split, vsplit CTAs per line
   int vs_R, vs_nt, vs_pp, vs_smem;  // ... own positions, threads, exchange-line positions and shared memory per CTA
   int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans
@@ -285,6 +289,7 @@ struct ClusterShape {
   int oboxrows, onbox;  // TMA output boxes per tile
   int nstage;           // input stage buffers (the backward always has two)
   int smem;             // dynamic shared memory per CTA
+  int threads;          // threads per CTA: NT, times cluster_bwd_slices in the backward
 };
 ClusterShape cluster_shape(int H, int ncta, bool backward, int esize);
 void launch_forward_cluster(const PropagateParams& p, cudaStream_t stream);

@@ -116,9 +116,8 @@ struct LineCoords {
   bool inimg, own;
 };
 template <int NCTA>
-__device__ __forceinline__ LineCoords line_coords(const ClusterParams& p, int rank) {
+__device__ __forceinline__ LineCoords line_coords(const ClusterParams& p, int rank, int i) {
   const int cid = blockIdx.x / NCTA;
-  const int i = threadIdx.x;
   LineCoords r;
   r.d = cid & 1;
   r.c = (cid >> 1) % p.C;
@@ -145,8 +144,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
-  const auto [d, b, c, grp, q, inimg, own] = line_coords<NCTA>(p, rank);
   const int nt = p.NT, i = threadIdx.x;
+  const auto [d, b, c, grp, q, inimg, own] = line_coords<NCTA>(p, rank, i);
   const int row0 = rank * p.R - HALO;  // thread i <-> image row row0 + i
 
   // Layout: stage [NSTAGE][NPLANE][srows] rows of RB bytes, output stage [orows] rows, then the exchange
@@ -288,10 +287,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
 // Outputs of the own rows only; the arithmetic per pixel is the streaming backward's (backward_step).
 // Every dtype: the input planes are RowIO rows (64 bytes fp32, 32 bytes 16-bit); grad_lam leaves in the
 // input dtype, the grad_x terms and gate partials in fp32, unsplit gate gradients in the input dtype.
-// Threads per CTA at most: 16-bit inputs take up to kClusterMaxRowsBwd16 rows (with `cluster_ctas` set; two
-// boxes per plane), float32 up to kClusterMaxRowsBwd.
+// Phase B runs on kBwdSlices threads per row, each on a contiguous share of the tile's columns: the steps of
+// phase A (one thread per row) leave the adjoint in the output stage's grad_x plane, which phase B reads and
+// overwrites position by position. Threads per CTA at most: rows (16-bit inputs up to kClusterMaxRowsBwd16
+// with `cluster_ctas` set, two boxes per plane; float32 up to kClusterMaxRowsBwd) plus halo, times the slices.
 template <typename scalar_t>
-constexpr int kMaxThreadsBwd = (sizeof(scalar_t) == 2 ? kClusterMaxRowsBwd16 : kClusterMaxRowsBwd) + 2 * HALO;
+constexpr int kBwdSlices = cluster_bwd_slices(int(sizeof(scalar_t)));
+template <typename scalar_t>
+constexpr int kMaxThreadsBwd =
+    ((sizeof(scalar_t) == 2 ? kClusterMaxRowsBwd16 : kClusterMaxRowsBwd) + 2 * HALO) * kBwdSlices<scalar_t>;
 constexpr int NIN_B = 7, NOUT_B = 5;
 // Bytes of the backward's output stage: grad_lam in rows of the input dtype (rb bytes: 32 for 16-bit inputs,
 // which keeps the 16-bit kernel within half an SM's shared memory, two CTAs per SM), the other four planes in
@@ -307,12 +311,16 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
   using IO = RowIO<scalar_t>;  // the seven input planes; grad_lam (and unsplit gate gradients) go out in this type
   using IO32 = RowIO<float>;   // the grad_x terms and gate partials: fp32
   constexpr int RB = IO::RB, EPP = IO::EPP;
+  constexpr int WB = kBwdSlices<scalar_t>, CPS = IO::NPC / WB;  // phase B: slices per row, 16-byte pieces each
+  static_assert(IO::NPC % WB == 0, "a slice is whole 16-byte pieces");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
-  const auto [d, b, c, grp, q, inimg, own] = line_coords<NCTA>(p, rank);
-  const int nt = p.NT, i = threadIdx.x;
-  const int row0 = rank * p.R - HALO;  // thread i <-> image row row0 + i
+  const int nt = p.NT, tid = threadIdx.x;
+  const int slice = WB == 1 ? 0 : tid / nt, i = tid - slice * nt;  // thread <-> (slice of phase B, row i)
+  const bool row = slice == 0;                        // one thread per row: the loads' set-up and phase A
+  const auto [d, b, c, grp, q, inimg, own] = line_coords<NCTA>(p, rank, i);
+  const int row0 = rank * p.R - HALO;  // row i <-> image row row0 + i
 
   unsigned char* base = smem_base(smem_raw);
   const int srows = p.nbox * p.boxrows;  // p.nbox TMA boxes of p.boxrows rows per plane
@@ -323,7 +331,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
   float* const lines = reinterpret_cast<float*>(ostage + bwd_out_bytes(p.R, RB));  // [2][3][nt + 2]
   float* const inbox = lines + 6 * (nt + 2);                                        // [2][2 sides][3][HALO]
   uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 12 * HALO + 2);         // [2], 8-byte aligned
-  for (int k = i; k < 6 * (nt + 2) + 12 * HALO; k += blockDim.x) lines[k] = 0.f;
+  for (int k = tid; k < 6 * (nt + 2) + 12 * HALO; k += blockDim.x) lines[k] = 0.f;
 
   const int px = b * p.C + c;
   const int pl = (b * 4 + d) * p.C + c;        // lam, grad_h, h, grad_lam
@@ -351,13 +359,13 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
       tma::load_3d(plane(buf, 6) + off, &p.tm_h, j0, r, pl, mb);
     }
   };
-  if (i == 0) {
+  if (tid == 0) {
     mbar_init(&bar[0], 1);
     mbar_init(&bar[1], 1);
     tma::mbar_init_fence();
   }
   __syncthreads();
-  if (i == 0) issue(ntl - 1, 0);
+  if (tid == 0) issue(ntl - 1, 0);
   cluster.sync();
 
   float w0[T], w1[T], w2[T], A[T];  // per step t of the tile: weights; grad_h, then the adjoint
@@ -366,29 +374,31 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
   for (int m = 0; m < ntl; ++m) {
     const int kt = ntl - 1 - m, buf = m & 1;
     mbar_wait(&bar[buf], (m >> 1) & 1);
-    if (i == 0 && kt > 0) issue(kt - 1, buf ^ 1);  // that buffer was last read before the previous tile's end
+    if (tid == 0 && kt > 0) issue(kt - 1, buf ^ 1);  // that buffer was last read before the previous tile's end
+    if (row) {
 #pragma unroll
-    for (int pc = 0; pc < IO::NPC; ++pc) {
-      const uint4 g0 = IO::load(plane(buf, 2), i, pc), g1 = IO::load(plane(buf, 3), i, pc);
-      const uint4 g2 = IO::load(plane(buf, 4), i, pc), gh = IO::load(plane(buf, 5), i, pc);
+      for (int pc = 0; pc < IO::NPC; ++pc) {
+        const uint4 g0 = IO::load(plane(buf, 2), i, pc), g1 = IO::load(plane(buf, 3), i, pc);
+        const uint4 g2 = IO::load(plane(buf, 4), i, pc), gh = IO::load(plane(buf, 5), i, pc);
 #pragma unroll
-      for (int e = 0; e < EPP; ++e) {
-        const int j = pc * EPP + e;
-        const int t = d == 0 ? j : T - 1 - j;
-        const dev::Weights gt = dev::weights(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
-        w0[t] = gt.w0, w1[t] = gt.w1, w2[t] = gt.w2;
-        A[t] = inimg ? IO::get(gh, e) : 0.f;
+        for (int e = 0; e < EPP; ++e) {
+          const int j = pc * EPP + e;
+          const int t = d == 0 ? j : T - 1 - j;
+          const dev::Weights gt = dev::weights(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
+          w0[t] = gt.w0, w1[t] = gt.w1, w2[t] = gt.w2;
+          A[t] = inimg ? IO::get(gh, e) : 0.f;
+        }
       }
     }
     if (m > 0) {
       cluster_wait_acquire();  // the neighbours' C_o of step (kt + 1) T are in my inbox
       const float* box = inbox + ((m - 1) & 1) * 6 * HALO;
       float* rd = lines + par * 3 * (nt + 2);
-      if (i < HALO && rank > 0) {
+      if (row && i < HALO && rank > 0) {
 #pragma unroll
         for (int o = 0; o < 3; ++o) rd[o * (nt + 2) + i + 1] = box[o * HALO + i];
       }
-      if (i >= HALO + p.R && rank < NCTA - 1) {
+      if (row && i >= HALO + p.R && rank < NCTA - 1) {
 #pragma unroll
         for (int o = 0; o < 3; ++o) rd[o * (nt + 2) + i + 1] = box[(3 + o) * HALO + i - HALO - p.R];
       }
@@ -406,10 +416,10 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
       const float* rd = lines + par * 3 * (nt + 2);
       float* wr = lines + (par ^ 1) * 3 * (nt + 2);
       float adj = A[t];
-      if (has_next && inimg) adj += (rd[1 * (nt + 2) + i + 1] + rd[0 * (nt + 2) + i + 2]) + rd[2 * (nt + 2) + i];
+      if (row && has_next && inimg) adj += (rd[1 * (nt + 2) + i + 1] + rd[0 * (nt + 2) + i + 2]) + rd[2 * (nt + 2) + i];
       A[t] = adj;
       c0v = c1v = c2v = 0.f;
-      if (!restart) {
+      if (row && !restart) {
         c0v = w0[t] * adj, c1v = w1[t] * adj, c2v = w2[t] * adj;
         wr[0 * (nt + 2) + i + 1] = c0v;
         wr[1 * (nt + 2) + i + 1] = c1v;
@@ -421,80 +431,113 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
     }
     if (kt > 0) {  // my boundary rows' C_o of step kt T go to the neighbours' halo rows, then arrive
       float* box = inbox + (m & 1) * 6 * HALO;
-      if (rank > 0 && i >= HALO && i < 2 * HALO) {
+      if (row && rank > 0 && i >= HALO && i < 2 * HALO) {
         float* nb = cluster.map_shared_rank(box, rank - 1);
         nb[3 * HALO + i - HALO] = c0v, nb[4 * HALO + i - HALO] = c1v, nb[5 * HALO + i - HALO] = c2v;
       }
-      if (rank < NCTA - 1 && i >= p.R && i < p.R + HALO) {
+      if (row && rank < NCTA - 1 && i >= p.R && i < p.R + HALO) {
         float* nb = cluster.map_shared_rank(box, rank + 1);
         nb[i - p.R] = c0v, nb[HALO + i - p.R] = c1v, nb[2 * HALO + i - p.R] = c2v;
       }
       cluster_arrive_release();
     }
-    if (i == 0 && m > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    if (tid == 0 && m > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     __syncthreads();  // output stage free
+    if constexpr (WB > 1) {  // the own rows' adjoints to the grad_x plane (fp32, column j at piece j / 4)
+      if (row && own) {
+#pragma unroll
+        for (int k4 = 0; k4 < T / 4; ++k4) {
+          float v4[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v4[e] = A[d == 0 ? 4 * k4 + e : T - 1 - (4 * k4 + e)];
+          IO32::store(oplane(1), i - HALO, k4, v4);
+        }
+      }
+      __syncthreads();
+    }
 
-    // Phase B: h_{s-1} of rows q - 1, q, q + 1 at step t is this tile's step t - 1, or for t = 0 the last
-    // step of tile kt - 1 (the other stage buffer).
-    // With the direction a compile-time constant every register array is indexed statically.
+    // Phase B, on the slice's pieces [slice CPS, slice CPS + CPS) (columns [J0, J0 + NJ)): h_{s-1} of rows
+    // q - 1, q, q + 1 at step t is this tile's step t - 1 (the column before, d = 0, or after, d = 1), or for
+    // t = 0 the last step of tile kt - 1 (the other stage buffer). With the direction a compile-time constant
+    // every register array is indexed statically.
     auto phase_b = [&](auto dir) {
       constexpr int D = decltype(dir)::value;
-      float hs[3][T];
+      constexpr int NJ = CPS * EPP;
+      const int pc0 = slice * CPS;
+      // h of columns J0 - 1 .. J0 + NJ: index u + 1 <-> column J0 + u
+      float hv[3][NJ + 2];
+      const bool edge = D == 0 ? slice == 0 : slice == WB - 1;  // the tile's step 0 is in this slice
+      if (edge && kt > 0) mbar_wait(&bar[buf ^ 1], ((m + 1) >> 1) & 1);
 #pragma unroll
       for (int r = 0; r < 3; ++r) {
 #pragma unroll
-        for (int pc = 0; pc < IO::NPC; ++pc) {
-          const uint4 f = IO::load(plane(buf, 6), i - 1 + r, pc);
+        for (int k = 0; k < CPS; ++k) {
+          const uint4 f = IO::load(plane(buf, 6), i - 1 + r, pc0 + k);
 #pragma unroll
-          for (int e = 0; e < EPP; ++e) {
-            const int j = pc * EPP + e;
-            const int t = D == 0 ? j : T - 1 - j;
-            if (t + 1 < T) hs[r][t + 1] = IO::get(f, e);
-          }
+          for (int e = 0; e < EPP; ++e) hv[r][1 + k * EPP + e] = IO::get(f, e);
         }
-        hs[r][0] = 0.f;
-      }
-      if (kt > 0) {
-        mbar_wait(&bar[buf ^ 1], ((m + 1) >> 1) & 1);
-        // the stage element of a tile's last scan step: column T - 1 (d = 0) or 0 (d = 1)
-#pragma unroll
-        for (int r = 0; r < 3; ++r) {
+        // the column of the slice's first step's predecessor: in the neighbouring slice, else the other buffer's
+        // element of tile kt - 1's last step (column T - 1 for d = 0, 0 for d = 1), else zero
+        float hn = 0.f;
+        if (!edge) {
+          const uint4 f = IO::load(plane(buf, 6), i - 1 + r, D == 0 ? pc0 - 1 : pc0 + CPS);
+          hn = IO::get(f, D == 0 ? EPP - 1 : 0);
+        } else if (kt > 0) {
           const uint4 f = IO::load(plane(buf ^ 1, 6), i - 1 + r, D == 0 ? IO::NPC - 1 : 0);
-          hs[r][0] = IO::get(f, D == 0 ? EPP - 1 : 0);
+          hn = IO::get(f, D == 0 ? EPP - 1 : 0);
+        }
+        if (D == 0) {
+          hv[r][0] = hn;
+        } else {
+          hv[r][NJ + 1] = hn;
         }
       }
 #pragma unroll
-      for (int pc = 0; pc < IO::NPC; ++pc) {
+      for (int k = 0; k < CPS; ++k) {
+        const int pc = pc0 + k;
         const uint4 fx = IO::load(plane(buf, 0), i, pc), fl = IO::load(plane(buf, 1), i, pc);
         const uint4 g0 = IO::load(plane(buf, 2), i, pc), g1 = IO::load(plane(buf, 3), i, pc);
         const uint4 g2 = IO::load(plane(buf, 4), i, pc);
+        float adjs[EPP];  // the adjoint of column pc EPP + e
+        if constexpr (WB > 1) {
+#pragma unroll
+          for (int h4 = 0; h4 < EPP / 4; ++h4) {
+            const uint4 fa = IO32::load(oplane(1), i - HALO, pc * (EPP / 4) + h4);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) adjs[4 * h4 + e] = IO32::get(fa, e);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < EPP; ++e) adjs[e] = A[D == 0 ? pc * EPP + e : T - 1 - (pc * EPP + e)];
+        }
         float o[NOUT_B][EPP];
 #pragma unroll
         for (int e = 0; e < EPP; ++e) {
-          const int j = pc * EPP + e;
-          const int t = D == 0 ? j : T - 1 - j;
-          const float adj = A[t];
+          const int u = k * EPP + e;  // column J0 + u
+          const int t = D == 0 ? pc * EPP + e : T - 1 - (pc * EPP + e);
+          const float adj = adjs[e];
+          const int up = D == 0 ? u : u + 2;  // h_{s-1}: the column before (d = 0) or after (d = 1)
           o[0][e] = IO::get(fx, e) * adj;
           o[1][e] = IO::get(fl, e) * adj;
           o[2][e] = o[3][e] = o[4][e] = 0.f;
           if ((kt * T + t) % p.ce != 0) {
             const dev::Gates gt = dev::normalise(IO::get(g0, e), IO::get(g1, e), IO::get(g2, e), q, p.H);
-            const float gw0 = fmaf(adj, hs[0][t], 0.f), gw1 = fmaf(adj, hs[1][t], 0.f);
-            const float gw2 = fmaf(adj, hs[2][t], 0.f);
+            const float gw0 = fmaf(adj, hv[0][up], 0.f), gw1 = fmaf(adj, hv[1][up], 0.f);
+            const float gw2 = fmaf(adj, hv[2][up], 0.f);
             dev::gate_grads(gt, gw0, gw1, gw2, q, p.H, o[2][e], o[3][e], o[4][e]);
           }
         }
         IO::store(oplane(0), i - HALO, pc, o[0]);  // grad_lam, input dtype
 #pragma unroll
-        for (int k = 1; k < NOUT_B; ++k) {
-          if (k == 1 || p.part || sizeof(scalar_t) == 4) {  // fp32: the grad_x term, gate partials
+        for (int kk = 1; kk < NOUT_B; ++kk) {
+          if (kk == 1 || p.part || sizeof(scalar_t) == 4) {  // fp32: the grad_x term (over the adjoint), gate partials
 #pragma unroll
             for (int h4 = 0; h4 < EPP / 4; ++h4) {
-              const float v4[4] = {o[k][4 * h4], o[k][4 * h4 + 1], o[k][4 * h4 + 2], o[k][4 * h4 + 3]};
-              IO32::store(oplane(k), i - HALO, pc * (EPP / 4) + h4, v4);
+              const float v4[4] = {o[kk][4 * h4], o[kk][4 * h4 + 1], o[kk][4 * h4 + 2], o[kk][4 * h4 + 3]};
+              IO32::store(oplane(kk), i - HALO, pc * (EPP / 4) + h4, v4);
             }
           } else {
-            IO::store(oplane(k), i - HALO, pc, o[k]);  // the gate gradients themselves, input dtype
+            IO::store(oplane(kk), i - HALO, pc, o[kk]);  // the gate gradients themselves, input dtype
           }
         }
       }
@@ -508,7 +551,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
       }
     }
     __syncthreads();  // output stage complete; stage buffer `buf` read
-    if (i == 0) {
+    if (tid == 0) {
       const int j0 = col0(kt), r0 = rank * p.R;
       tma::store_3d(&p.tm_glam, j0, r0, pl, oplane(0));
       tma::store_3d(&p.tm_gx, j0, r0, pgx, oplane(1));
@@ -517,7 +560,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
   }
-  if (i == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   cluster.sync();
 #endif
 }
@@ -581,7 +624,7 @@ void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStrea
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pp.cluster_smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(NCTA * 2 * pp.B * pp.C);
-  cfg.blockDim = dim3(p.NT);
+  cfg.blockDim = dim3(pp.cluster_threads);
   cfg.dynamicSmemBytes = size_t(pp.cluster_smem);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -608,6 +651,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
     s.nstage = 2;
     s.smem = 1024 + bwd_stage_bytes(s.nbox * s.boxrows, kClusterTile * esize) +
              bwd_out_bytes(s.R, kClusterTile * esize) + (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
+    s.threads = s.NT * cluster_bwd_slices(esize);
     return s;
   }
   s.nbox = (s.NT + 255) / 256;  // TMA boxes have at most 256 rows
@@ -621,6 +665,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
   };
   s.nstage = smem(2) <= kSmemLimit ? 2 : 1;
   s.smem = smem(s.nstage);
+  s.threads = s.NT;
   return s;
 }
 
@@ -662,6 +707,7 @@ void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
 void launch_backward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.ncta > 0 && pp.cs == 1, "gspn2: cluster backward planned for an unsupported case");
   const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, element_size(pp.dtype));
+  TORCH_CHECK(s.threads == pp.cluster_threads, "gspn2: cluster backward planned with ", pp.cluster_threads, " threads");
   bind_context();
   ClusterParams p = cluster_params(pp, s);
   p.part = pp.nsl > 1;

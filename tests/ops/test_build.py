@@ -148,6 +148,11 @@ def test_cluster_kernel_choice():
     # The 16-bit backward's CTAs fit two per SM (228 KB of shared memory, 1 KB of it reserved per CTA).
     for dt in ("bfloat16", "float16"):
         assert 2 * (_cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_smem_bytes"] + 1024) <= 228 * 1024
+    # Threads per CTA: one per row and halo row (128 + 2 x 16); the float32 backward's phase B two per row.
+    assert big["cluster_threads"] == 160
+    for dt, threads in [("float32", 320), ("bfloat16", 160), ("float16", 160)]:
+        assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_threads"] == threads, dt
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_threads"] == 544  # forward: 512 rows per CTA
     # The backward by problem size: 64 x 2 x 128^2 = 2^21 elements yes, 16 x 2 x 128^2 and 1 x 8 x 256^2 no.
     assert _cuda.plan(64, 2, 128, 128, 2, "float32", backward=True)["cluster_ctas"] == 2
     assert _cuda.plan(32, 49, 32, 32, 49, "float32", backward=True)["cluster_ctas"] == 2
