@@ -108,6 +108,20 @@ __device__ __forceinline__ void reverse_f(float (&r)[NW]) {
 
 __device__ __forceinline__ uint32_t ldg_bits(const uint32_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 __device__ __forceinline__ uint16_t ldg_bits(const uint16_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+// Global stores through a held() pointer, which the compiler no longer knows to be global.
+// (Outputs only: nothing in the kernel reads them back, so the stores need no ordering against its loads.)
+__device__ __forceinline__ void stg_bits(uint32_t* p, uint32_t v) { asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v)); }
+__device__ __forceinline__ void stg_bits(uint16_t* p, uint16_t v) { asm volatile("st.global.b16 [%0], %1;" ::"l"(p), "h"(v)); }
+__device__ __forceinline__ void stg_bits(float* p, float v) { asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v)); }
+
+// A pointer the compiler keeps in a register as it is, instead of re-deriving it from the kernel parameters
+// at every use (which costs a 64-bit add and a shift per access).
+// H = false leaves it to the compiler (blocks of 1024 threads, whose 64 registers would spill).
+template <bool H = true, typename T>
+__device__ __forceinline__ T* held(T* ptr) {
+  if constexpr (H) asm("" : "+l"(ptr));
+  return ptr;
+}
 
 // A thread's slice of the stage: VB bytes per plane, plane k of thread q at (k * nthreads + q) * VB.
 // 32-byte slices swap their halves on every other group of four threads, so that a quarter warp's
@@ -195,6 +209,7 @@ struct BlockView {
   bool inc, active, own;
   int ce;      // restart period in steps
   int o0, ds;  // this thread's pixel at scan step 0, and the offset of one scan step (elements)
+  int oa;      // o0 with q clamped to the line: where a thread off the line loads (and discards) its inputs
   const Bits* g;
   const Bits* x;
   const Bits* lam;
@@ -211,6 +226,8 @@ struct BlockView {
     ce = (p.chunk > 0 && p.chunk < S) ? p.chunk : S;
     ds = horiz ? (inc ? 1 : -1) : (inc ? W : -W);
     o0 = horiz ? q * W + (inc ? 0 : S - 1) : (inc ? 0 : (S - 1) * W) + q;
+    const int qa = min(max(q, 0), L - 1);
+    oa = horiz ? qa * W + (inc ? 0 : S - 1) : (inc ? 0 : (S - 1) * W) + qa;
     const int c0 = bi.grp * p.G + bi.sl * CS;
     g = static_cast<const Bits*>(p.gates) + (bi.b * p.g_sb + bi.d * p.g_sd + bi.grp * p.g_sk);
     x = static_cast<const Bits*>(p.x) + (bi.b * p.x_sb + c0 * p.x_sc);
@@ -218,6 +235,8 @@ struct BlockView {
   }
   // Offset of this thread's pixel at scan step s.
   __device__ __forceinline__ int off(int s) const { return o0 + s * ds; }
+  // Offset of scan step s from step 0, s clamped to the line: the ring's loads past the end reread the last step.
+  __device__ __forceinline__ int step(int s) const { return min(s, S - 1) * ds; }
   // This thread's offset at the first image column of horizontal tile kt (T steps).
   template <int T>
   __device__ __forceinline__ int tile_off(int kt) const {
@@ -280,20 +299,34 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
   Bits* const h = static_cast<Bits*>(p.h) + (bi.b * p.h_sb + bi.d * p.h_sd + (bi.grp * p.G + bi.sl * CS) * p.h_sc);
 
   // Slot j holds step s with s % D == j. AHEAD: the gate slots are refilled a group at a time (after the
-  // group's weights are computed), x and lam slots one step at a time, D steps ahead either way.
-  Bits rg[D][3] = {}, rx[D][CS], rl[D][CS];
-#define GSPN2_FWD_LOAD_GATES(j, s)                                                 \
-  if (v.active && (s) < v.S) {                                                     \
-    const int o_ = v.off(s);                                   \
-    _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
+  // group's weights are computed), x and lam slots one step at a time, D steps ahead either way. The loads
+  // are unconditional, from each plane's pointer at this thread's pixel of step 0 plus one offset per step
+  // (BlockView::oa, BlockView::step): threads off the line and steps past its end load pixels of the line
+  // and never use them.
+  const Bits* pg[3];
+  const Bits *px[CS], *pl[CS];
+  Bits* ph[CS];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) pg[k] = held(v.g + k * p.g_so + v.oa);
+#pragma unroll
+  for (int c = 0; c < CS; ++c) {
+    px[c] = held(v.x + c * p.x_sc + v.oa);
+    pl[c] = held(v.lam + c * p.lam_sc + v.oa);
+    ph[c] = held(h + c * p.h_sc + v.oa);
   }
-#define GSPN2_FWD_LOAD_XL(j, s)                                                    \
-  if (v.active && (s) < v.S) {                                                     \
-    const int o_ = v.off(s);                                   \
-    _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
-      rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
-      rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
-    }                                                                              \
+  Bits rg[D][3] = {}, rx[D][CS], rl[D][CS];
+#define GSPN2_FWD_LOAD_GATES(j, s)                                                           \
+  {                                                                                          \
+    const int o_ = v.step(s);                                                                \
+    _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(pg[k] + o_);           \
+  }
+#define GSPN2_FWD_LOAD_XL(j, s)                                                              \
+  {                                                                                          \
+    const int o_ = v.step(s);                                                                \
+    _Pragma("unroll") for (int c = 0; c < CS; ++c) {                                         \
+      rx[j][c] = ldg_bits(px[c] + o_);                                                       \
+      rl[j][c] = ldg_bits(pl[c] + o_);                                                       \
+    }                                                                                        \
   }
 #pragma unroll
   for (int j = 0; j < D; ++j) {
@@ -339,7 +372,7 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
           w1 = gt.w1;
           w2 = gt.w2;
         }
-        const int o = v.off(s);
+        const int o = s * v.ds;
 #pragma unroll
         for (int c = 0; c < CS; ++c) {
           float hv = EL::load(rx[j][c]) * EL::load(rl[j][c]);
@@ -349,7 +382,7 @@ __device__ __forceinline__ void forward_ring(const PropagateParams& p, const Blo
             hv = fmaf(w2, prev[c + LS], hv);
           }
           next[c] = hv;
-          if (v.own) h[c * p.h_sc + o] = EL::store(hv);
+          if (v.own) stg_bits(ph[c] + o, EL::store(hv));
         }
         if (!AHEAD) {
           GSPN2_FWD_LOAD_GATES(j, s + D)
@@ -582,22 +615,62 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   const bool part = p.nsl > 1;
 
   // Slot j holds processing index i (scan step s = S - 1 - i) with i % D == j. AHEAD: the gate slots are
-  // refilled a group of D at a time, after the group's gates are normalised (see forward_ring).
-  Bits rg[D][3] = {}, rx[D][CS], rl[D][CS], rgh[D][CS], rh[D][CS];
-#define GSPN2_BWD_LOAD_GATES(j, i)                                                 \
-  if (v.active && (i) < v.S) {                                                     \
-    const int o_ = v.off(v.S - 1 - (i));                       \
-    _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
+  // refilled a group of D at a time, after the group's gates are normalised (see forward_ring, also for the
+  // unconditional loads from plane pointers at this thread's pixel of step 0; here steps before the first
+  // reread step 0). The outputs' pointers likewise, the gate gradients' in the dtype of where they go. The
+  // 1024-thread blocks (64 registers) leave them to the compiler. The split kernel (96 registers at 544
+  // threads) has no room for the pointers: it guards its loads and derives each address from the kernel
+  // parameters (held pointers there spilled and took 1.35-1.40x the time, an H100).
+  const Bits* pg[3];
+  const Bits *px[CS], *pl[CS], *pgh[CS], *phs[CS];
+  Bits* pglam[CS];
+  float* pgx[CS];
+  void* pgg[3];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    pg[k] = held<AHEAD>(v.g + k * p.g_so + v.oa);
+    pgg[k] = part ? static_cast<void*>(held<AHEAD>(out.gg_part + k * p.g_so + v.oa))
+                  : static_cast<void*>(held<AHEAD>(out.gg + k * p.g_so + v.oa));
   }
-#define GSPN2_BWD_LOAD_REST(j, i)                                                  \
-  if (v.active && (i) < v.S) {                                                     \
-    const int o_ = v.off(v.S - 1 - (i));                       \
-    _Pragma("unroll") for (int c = 0; c < CS; ++c) {                               \
-      rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                  \
-      rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                              \
-      rgh[j][c] = ldg_bits(gh + c * p.h_sc + o_);                                  \
-      rh[j][c] = ldg_bits(hs + c * p.h_sc + o_);                                   \
-    }                                                                              \
+#pragma unroll
+  for (int c = 0; c < CS; ++c) {
+    px[c] = held<AHEAD>(v.x + c * p.x_sc + v.oa);
+    pl[c] = held<AHEAD>(v.lam + c * p.lam_sc + v.oa);
+    pgh[c] = held<AHEAD>(gh + c * p.h_sc + v.oa);
+    phs[c] = held<AHEAD>(hs + c * p.h_sc + v.oa);
+    pglam[c] = held<AHEAD>(out.glam + c * p.h_sc + v.oa);
+    pgx[c] = held<AHEAD>(out.gx + c * p.x_sc + v.oa);
+  }
+  Bits rg[D][3] = {}, rx[D][CS], rl[D][CS], rgh[D][CS], rh[D][CS];
+#define GSPN2_BWD_LOAD_GATES(j, i)                                                           \
+  if constexpr (SPLIT) {                                                                     \
+    if (v.active && (i) < v.S) {                                                             \
+      const int o_ = v.off(v.S - 1 - (i));                                                   \
+      _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
+    }                                                                                        \
+  } else {                                                                                   \
+    const int o_ = max(v.S - 1 - (i), 0) * v.ds;                                             \
+    _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(pg[k] + o_);           \
+  }
+#define GSPN2_BWD_LOAD_REST(j, i)                                                            \
+  if constexpr (SPLIT) {                                                                     \
+    if (v.active && (i) < v.S) {                                                             \
+      const int o_ = v.off(v.S - 1 - (i));                                                   \
+      _Pragma("unroll") for (int c = 0; c < CS; ++c) {                                       \
+        rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                          \
+        rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                                      \
+        rgh[j][c] = ldg_bits(gh + c * p.h_sc + o_);                                          \
+        rh[j][c] = ldg_bits(hs + c * p.h_sc + o_);                                           \
+      }                                                                                      \
+    }                                                                                        \
+  } else {                                                                                   \
+    const int o_ = max(v.S - 1 - (i), 0) * v.ds;                                             \
+    _Pragma("unroll") for (int c = 0; c < CS; ++c) {                                         \
+      rx[j][c] = ldg_bits(px[c] + o_);                                                       \
+      rl[j][c] = ldg_bits(pl[c] + o_);                                                       \
+      rgh[j][c] = ldg_bits(pgh[c] + o_);                                                     \
+      rh[j][c] = ldg_bits(phs[c] + o_);                                                      \
+    }                                                                                        \
   }
 #pragma unroll
   for (int j = 0; j < D; ++j) {
@@ -653,8 +726,8 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
 #pragma unroll
           for (int c = 0; c < CS; ++c) wq[3 * CS + c] = EL::load(rh[(j + 2) % D][c]);
         }
-        const int o = v.off(s);
-        if (v.own) {
+        if (v.own && SPLIT) {
+          const int o = v.off(s);
 #pragma unroll
           for (int c = 0; c < CS; ++c) {
             out.glam[c * p.h_sc + o] = EL::store(r.glam[c]);
@@ -666,6 +739,21 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
               out.gg_part[k * p.g_so + o] = r.gg[k];
             } else {
               out.gg[k * p.g_so + o] = EL::store(r.gg[k]);
+            }
+          }
+        } else if (v.own) {
+          const int o = s * v.ds;
+#pragma unroll
+          for (int c = 0; c < CS; ++c) {
+            stg_bits(pglam[c] + o, EL::store(r.glam[c]));
+            stg_bits(pgx[c] + o, r.gx[c]);
+          }
+#pragma unroll
+          for (int k = 0; k < 3; ++k) {
+            if (part) {
+              stg_bits(static_cast<float*>(pgg[k]) + o, r.gg[k]);
+            } else {
+              stg_bits(static_cast<Bits*>(pgg[k]) + o, EL::store(r.gg[k]));
             }
           }
         }
