@@ -114,6 +114,13 @@ __device__ __forceinline__ void stg_bits(uint32_t* p, uint32_t v) { asm volatile
 __device__ __forceinline__ void stg_bits(uint16_t* p, uint16_t v) { asm volatile("st.global.b16 [%0], %1;" ::"l"(p), "h"(v)); }
 __device__ __forceinline__ void stg_bits(float* p, float v) { asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v)); }
 
+// Element at byte offset `o` (32-bit, unsigned) from a block's plane base: the base can stay in uniform
+// registers and the address costs one 64-bit add.
+template <typename T, typename C>
+__device__ __forceinline__ T* at(C* base, uint32_t o) {
+  return reinterpret_cast<T*>(base + o);
+}
+
 // A pointer the compiler keeps in a register as it is, instead of re-deriving it from the kernel parameters
 // at every use (which costs a 64-bit add and a shift per access).
 // H = false leaves it to the compiler (blocks of 1024 threads, whose 64 registers would spill).
@@ -605,6 +612,8 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   static_assert(D >= 3, "the ring must hold h two steps ahead");
   static_assert(!SPLIT || (AHEAD && kSplitHalo % D == 0), "a split line's exchanges fall on a group's last step");
   const BlockView<Bits, CS> v(p, bi, HORIZ, sp);
+  constexpr bool UB = SPLIT;        // uniform plane bases and byte offsets, not pointers per thread
+  constexpr bool H = AHEAD && !UB;  // held pointers (see held())
   const BackwardOut<Bits, CS> out(p, bi);
   const int LS = AHEAD ? fast_line_stride(CS, true) : p.ls;
   float* const eq0 = ex + (v.t + 1) * LS;  // this thread's slot in exchange lines 0 and 1
@@ -617,10 +626,12 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   // Slot j holds processing index i (scan step s = S - 1 - i) with i % D == j. AHEAD: the gate slots are
   // refilled a group of D at a time, after the group's gates are normalised (see forward_ring, also for the
   // unconditional loads from plane pointers at this thread's pixel of step 0; here steps before the first
-  // reread step 0). The outputs' pointers likewise, the gate gradients' in the dtype of where they go. The
-  // 1024-thread blocks (64 registers) leave them to the compiler. The split kernel (96 registers at 544
-  // threads) has no room for the pointers: it guards its loads and derives each address from the kernel
-  // parameters (held pointers there spilled and took 1.35-1.40x the time, an H100).
+  // reread step 0). The outputs' pointers likewise, the gate gradients' in the dtype of where they go.
+  // The 1024-thread blocks (64 registers) form them without holding them. UB: the split kernel (96
+  // registers at 544 threads) has no room for them (held, they spilled and it took 1.35-1.40x the time, an
+  // H100): each plane is its block base, the same for every thread and so kept in uniform registers, plus
+  // a 32-bit byte offset, two instructions per access and no registers per thread. (The same addressing in
+  // the 1024-thread blocks removed their spills but took 1.05x the time at B2xC2x512^2, an H100.)
   const Bits* pg[3];
   const Bits *px[CS], *pl[CS], *pgh[CS], *phs[CS];
   Bits* pglam[CS];
@@ -628,40 +639,57 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
   void* pgg[3];
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
-    pg[k] = held<AHEAD>(v.g + k * p.g_so + v.oa);
-    pgg[k] = part ? static_cast<void*>(held<AHEAD>(out.gg_part + k * p.g_so + v.oa))
-                  : static_cast<void*>(held<AHEAD>(out.gg + k * p.g_so + v.oa));
+    pg[k] = held<H>(v.g + k * p.g_so + v.oa);
+    pgg[k] = part ? static_cast<void*>(held<H>(out.gg_part + k * p.g_so + v.oa))
+                  : static_cast<void*>(held<H>(out.gg + k * p.g_so + v.oa));
   }
 #pragma unroll
   for (int c = 0; c < CS; ++c) {
-    px[c] = held<AHEAD>(v.x + c * p.x_sc + v.oa);
-    pl[c] = held<AHEAD>(v.lam + c * p.lam_sc + v.oa);
-    pgh[c] = held<AHEAD>(gh + c * p.h_sc + v.oa);
-    phs[c] = held<AHEAD>(hs + c * p.h_sc + v.oa);
-    pglam[c] = held<AHEAD>(out.glam + c * p.h_sc + v.oa);
-    pgx[c] = held<AHEAD>(out.gx + c * p.x_sc + v.oa);
+    px[c] = held<H>(v.x + c * p.x_sc + v.oa);
+    pl[c] = held<H>(v.lam + c * p.lam_sc + v.oa);
+    pgh[c] = held<H>(gh + c * p.h_sc + v.oa);
+    phs[c] = held<H>(hs + c * p.h_sc + v.oa);
+    pglam[c] = held<H>(out.glam + c * p.h_sc + v.oa);
+    pgx[c] = held<H>(out.gx + c * p.x_sc + v.oa);
+  }
+  // UB: the planes' block bases (byte offsets from these).
+  struct {
+    const char *g[3], *x[CS], *l[CS], *gh[CS], *hs[CS];
+    char *glam[CS], *gx[CS], *gg[3];
+  } ub;
+  if constexpr (UB) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      ub.g[k] = reinterpret_cast<const char*>(v.g + k * p.g_so);
+      ub.gg[k] = part ? reinterpret_cast<char*>(out.gg_part + k * p.g_so) : reinterpret_cast<char*>(out.gg + k * p.g_so);
+    }
+#pragma unroll
+    for (int c = 0; c < CS; ++c) {
+      ub.x[c] = reinterpret_cast<const char*>(v.x + c * p.x_sc);
+      ub.l[c] = reinterpret_cast<const char*>(v.lam + c * p.lam_sc);
+      ub.gh[c] = reinterpret_cast<const char*>(gh + c * p.h_sc);
+      ub.hs[c] = reinterpret_cast<const char*>(hs + c * p.h_sc);
+      ub.glam[c] = reinterpret_cast<char*>(out.glam + c * p.h_sc);
+      ub.gx[c] = reinterpret_cast<char*>(out.gx + c * p.x_sc);
+    }
   }
   Bits rg[D][3] = {}, rx[D][CS], rl[D][CS], rgh[D][CS], rh[D][CS];
 #define GSPN2_BWD_LOAD_GATES(j, i)                                                           \
-  if constexpr (SPLIT) {                                                                     \
-    if (v.active && (i) < v.S) {                                                             \
-      const int o_ = v.off(v.S - 1 - (i));                                                   \
-      _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(v.g + k * p.g_so + o_); \
-    }                                                                                        \
+  if constexpr (UB) {                                                                     \
+    const uint32_t o_ = uint32_t(v.oa + max(v.S - 1 - (i), 0) * v.ds) * uint32_t(sizeof(Bits)); \
+    _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(at<const Bits>(ub.g[k], o_)); \
   } else {                                                                                   \
     const int o_ = max(v.S - 1 - (i), 0) * v.ds;                                             \
     _Pragma("unroll") for (int k = 0; k < 3; ++k) rg[j][k] = ldg_bits(pg[k] + o_);           \
   }
 #define GSPN2_BWD_LOAD_REST(j, i)                                                            \
-  if constexpr (SPLIT) {                                                                     \
-    if (v.active && (i) < v.S) {                                                             \
-      const int o_ = v.off(v.S - 1 - (i));                                                   \
-      _Pragma("unroll") for (int c = 0; c < CS; ++c) {                                       \
-        rx[j][c] = ldg_bits(v.x + c * p.x_sc + o_);                                          \
-        rl[j][c] = ldg_bits(v.lam + c * p.lam_sc + o_);                                      \
-        rgh[j][c] = ldg_bits(gh + c * p.h_sc + o_);                                          \
-        rh[j][c] = ldg_bits(hs + c * p.h_sc + o_);                                           \
-      }                                                                                      \
+  if constexpr (UB) {                                                                     \
+    const uint32_t o_ = uint32_t(v.oa + max(v.S - 1 - (i), 0) * v.ds) * uint32_t(sizeof(Bits)); \
+    _Pragma("unroll") for (int c = 0; c < CS; ++c) {                                         \
+      rx[j][c] = ldg_bits(at<const Bits>(ub.x[c], o_));                                      \
+      rl[j][c] = ldg_bits(at<const Bits>(ub.l[c], o_));                                      \
+      rgh[j][c] = ldg_bits(at<const Bits>(ub.gh[c], o_));                                    \
+      rh[j][c] = ldg_bits(at<const Bits>(ub.hs[c], o_));                                     \
     }                                                                                        \
   } else {                                                                                   \
     const int o_ = max(v.S - 1 - (i), 0) * v.ds;                                             \
@@ -726,20 +754,20 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
 #pragma unroll
           for (int c = 0; c < CS; ++c) wq[3 * CS + c] = EL::load(rh[(j + 2) % D][c]);
         }
-        if (v.own && SPLIT) {
-          const int o = v.off(s);
+        if (v.own && UB) {
+          const uint32_t o = uint32_t(v.off(s));
+          const uint32_t o2 = o * uint32_t(sizeof(Bits)), o4 = o * 4u;
 #pragma unroll
           for (int c = 0; c < CS; ++c) {
-            out.glam[c * p.h_sc + o] = EL::store(r.glam[c]);
-            out.gx[c * p.x_sc + o] = r.gx[c];
+            *at<Bits>(ub.glam[c], o2) = EL::store(r.glam[c]);
+            *at<float>(ub.gx[c], o4) = r.gx[c];
           }
+          if (part) {  // one branch for the three (uniform: predicated stores cost more here)
 #pragma unroll
-          for (int k = 0; k < 3; ++k) {
-            if (part) {
-              out.gg_part[k * p.g_so + o] = r.gg[k];
-            } else {
-              out.gg[k * p.g_so + o] = EL::store(r.gg[k]);
-            }
+            for (int k = 0; k < 3; ++k) *at<float>(ub.gg[k], o4) = r.gg[k];
+          } else {
+#pragma unroll
+            for (int k = 0; k < 3; ++k) *at<Bits>(ub.gg[k], o2) = EL::store(r.gg[k]);
           }
         } else if (v.own) {
           const int o = s * v.ds;
@@ -763,7 +791,7 @@ __device__ __forceinline__ void backward_ring(const PropagateParams& p, const Bl
         GSPN2_BWD_LOAD_REST(j, i + D)
       }
       __syncthreads();
-      if constexpr (SPLIT) {  // the state handed on: C_o (kinds 0..2); h_{s-1} comes from memory
+      if constexpr (UB) {  // the state handed on: C_o (kinds 0..2); h_{s-1} comes from memory
         if ((i + 1) % kSplitHalo == 0 && i + 1 < v.S) split_exchange<3 * CS>(sp, wq, (i / kSplitHalo) & 1);
       }
       sm = (sm == 0) ? v.ce - 1 : sm - 1;
