@@ -24,8 +24,8 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # (B, C, H, W, K, dtype, kernel): the model shapes (C_proxy 2 and 8), the GSPN-1 anchors, horizontal scans
-# through the ring (W = 50), fp16, the 1024^2 and 512^2 shapes with the cluster kernels (vertical lines split over
-# 2 and 8 CTAs), the streaming kernels alone.
+# through the ring (W = 50), fp16, the 1024^2, 768^2 and 512^2 shapes with the cluster kernels (vertical lines split
+# over 2 to 8 CTAs, or at B32 one block per line), the streaming kernels alone.
 SHAPES = [
     (128, 2, 56, 56, 1, "bf16", "auto"),
     (128, 2, 28, 28, 1, "bf16", "auto"),
@@ -45,6 +45,9 @@ SHAPES = [
     (16, 2, 1024, 1024, 2, "bf16", "auto"),
     (4, 2, 1024, 1024, 2, "fp32", "auto"),
     (1, 8, 1024, 1024, 1, "fp32", "auto"),
+    (8, 2, 1024, 1024, 2, "fp32", "auto"),
+    (16, 2, 768, 768, 2, "fp32", "auto"),
+    (32, 2, 1024, 1024, 2, "fp32", "auto"),
     (16, 2, 512, 512, 2, "fp32", "auto"),
     (16, 2, 512, 512, 2, "bf16", "auto"),
     (2, 2, 512, 512, 1, "bf16", "fast"),
@@ -68,7 +71,7 @@ def inputs(shape):
     return x, lam, gates, grad_h
 
 
-def run(path: str, launch: bool) -> None:
+def run(path: str, launch: bool, match: str | None = None) -> None:
     import gspn2  # noqa: F401  (registers the ops)
     from gspn2.ops import _cuda  # noqa: F401  (the CUDA implementations)
     from triton.testing import do_bench_cudagraph
@@ -81,6 +84,8 @@ def run(path: str, launch: bool) -> None:
         a, b = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
         result["launch_us"] = 1e3 * ms(lambda: b.copy_(a))
     for shape in SHAPES:
+        if match is not None and not any(m in key(shape) for m in match.split(",")):
+            continue
         kernel = shape[-1]
         x, lam, gates, grad_h = inputs(shape)
         fwd = lambda chunk=None: torch.ops.gspn2.propagate(x, lam, gates, chunk, kernel, 0)  # noqa: E731
@@ -125,6 +130,7 @@ def main(argv=None) -> None:
     r = sub.add_parser("run", help="time and keep the outputs of this tree's build (needs a CUDA GPU)")
     r.add_argument("out", help="file to write (torch.save)")
     r.add_argument("--launch", action="store_true", help="also time a one-element copy kernel")
+    r.add_argument("--match", help="only the shapes whose key contains one of these comma-separated texts (e.g. '1024x1024,512x512')")
     c = sub.add_parser("compare", help="the table of two `run` files; exits 1 if any output differs")
     c.add_argument("a")
     c.add_argument("b")
@@ -132,7 +138,7 @@ def main(argv=None) -> None:
     if args.cmd == "run":
         if not torch.cuda.is_available():
             sys.exit("ab_op.py run needs a CUDA GPU")
-        run(args.out, args.launch)
+        run(args.out, args.launch, args.match)
     else:
         table = compare(args.a, args.b)
         print(table)

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
@@ -271,6 +272,7 @@ bool make_plan_short(PropagateParams& p, bool backward, const PlanOptions& o, in
   p.cs = p.G;
   p.nsl = 1;
   p.ncta = 0;
+  p.overlap = 0;
   p.smem_bytes = smem;
   return true;
 }
@@ -286,6 +288,12 @@ bool make_plan_fast(PropagateParams& p, bool backward, const PlanOptions& o, int
   }
   plan_cluster(p, backward, o, smem_limit, nsm, cc_major);
   plan_split(p, backward, o, smem_limit, nsm);
+  // The cluster kernel (horizontal directions) and the launch of the vertical ones are independent: side by
+  // side on two streams, the second kernel's CTAs take the SMs the first leaves idle (its last wave, the SMs
+  // no cluster fits). Not for the forward with one stage buffer (float32, more than 256 rows per CTA),
+  // where it took 1.09x the time at B16xC2x1024^2 (docs/benchmarks.md, "Design choices of the kernels,
+  // measured").
+  p.overlap = p.ncta > 0 && (backward || p.cluster_stages == 2) && !(p.ablate & 128);
   const int esize = element_size(p.dtype);
   p.kernel = 2;
   p.nt = round_up(lmax, 32);
@@ -464,6 +472,31 @@ void check_backward_inputs(const at::Tensor& grad_h, const at::Tensor& x, const 
   CHECK_SHAPE(h, B, 4, C, H, W);
 }
 
+// `first(stream)`, then `second(stream)`; with p.overlap, `second` on a stream of the pool instead, forked from
+// `stream` before `first` and joined back into it after `second`. Both run to completion before anything
+// enqueued on `stream` afterwards, so the tensors they touch follow `stream`'s order as usual (CUDA graphs
+// capture the fork and join as edges).
+template <class First, class Second>
+void launch_side_by_side(const PropagateParams& p, cudaStream_t stream, const First& first, const Second& second) {
+  if (!p.overlap) {
+    first(stream);
+    second(stream);
+    return;
+  }
+  const cudaStream_t side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, c10::cuda::current_device()).stream();
+  cudaEvent_t fork = nullptr, join = nullptr;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(fork, stream));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0));
+  first(stream);
+  second(side);
+  C10_CUDA_CHECK(cudaEventRecord(join, side));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
+  C10_CUDA_CHECK(cudaEventDestroy(fork));  // released once the pending record and waits complete
+  C10_CUDA_CHECK(cudaEventDestroy(join));
+}
+
 // The CUDA implementation of gspn2::propagate.
 at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const at::Tensor& gates_,
                              std::optional<int64_t> chunk, c10::string_view kernel, int64_t cluster_ctas) {
@@ -479,9 +512,10 @@ at::Tensor propagate_forward(const at::Tensor& x_, const at::Tensor& lam_, const
   if (p.kernel == 3) {
     launch_forward_short(p, stream);
   } else if (p.kernel == 2) {
-    // With the cluster kernel: two launches in one stream, the horizontal directions first.
-    if (p.ncta > 0 && !(p.ablate & 8)) launch_forward_cluster(p, stream);
-    launch_forward_fast(p, stream);
+    // With the cluster kernel: two launches, the horizontal directions first (side by side: p.overlap).
+    launch_side_by_side(
+        p, stream, [&](cudaStream_t s) { if (p.ncta > 0 && !(p.ablate & 8)) launch_forward_cluster(p, s); },
+        [&](cudaStream_t s) { launch_forward_fast(p, s); });
   } else {
     launch_forward(p, stream);
   }
@@ -519,9 +553,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> propagate_backward(
   if (p.kernel == 3) {
     launch_backward_short(p, stream);
   } else if (p.kernel == 2) {
-    // With the cluster kernel: the horizontal directions first, then the vertical blocks and the reduce pass.
-    if (p.ncta > 0 && !(p.ablate & 8)) launch_backward_cluster(p, stream);
-    launch_backward_fast(p, stream);
+    // With the cluster kernel: the horizontal directions first, then the vertical blocks (side by side:
+    // p.overlap); then the reduce pass.
+    launch_side_by_side(
+        p, stream, [&](cudaStream_t s) { if (p.ncta > 0 && !(p.ablate & 8)) launch_backward_cluster(p, s); },
+        [&](cudaStream_t s) { launch_backward_fast(p, s); });
+    launch_backward_reduce(p, stream);
   } else {
     launch_backward(p, stream);
   }
@@ -621,6 +658,7 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
       d["cluster_smem_bytes"] = p.cluster_smem;
       d["cluster_stages"] = p.cluster_stages;  // the cluster kernel's input stage buffers
       d["cluster_threads"] = p.cluster_threads;
+      d["overlap"] = bool(p.overlap);  // the cluster kernel and the other launch side by side on two streams
     }
     d["split_ctas"] = p.vsplit;  // > 0: the vertical directions run split over that many CTAs per line
     if (p.vsplit > 0) {

@@ -167,7 +167,8 @@ struct PropagateParams {
   int cluster_threads;  // its threads per CTA
   int vsplit;        // > 0 (only with ncta > 0): the vertical directions run split, vsplit CTAs per line
   int vs_R, vs_nt, vs_pp, vs_smem;  // ... own positions, threads, exchange-line positions and shared memory per CTA
-  int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans
+  int overlap;  // 1 (only with ncta > 0): the cluster kernel and the streaming / split launch run side by side on two streams
+  int ablate;  // profiling only (GSPN2_ABLATE): general kernels: bit 0 skips the tile loads, bit 1 the scan steps, bit 2 the stores; streaming kernels: bit 3 skips horizontal blocks, bit 4 vertical ones, bit 6 forces the ring for horizontal scans, bit 7 keeps the cluster and streaming launches in one stream
   CopySet copy[2][kNumCopyKinds];
   // x (B, C, H, W)
   int64_t x_sb, x_sc;

@@ -1126,7 +1126,6 @@ void launch_backward_fast(const PropagateParams& p, cudaStream_t stream) {
     }
     if (p.vsplit > 0 && !(p.ablate & 16)) launch_split(gspn_backward_split_kernel<decltype(elem)>, p, stream);
   });
-  launch_backward_reduce(p, stream);
 }
 
 }  // namespace gspn2

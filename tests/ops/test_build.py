@@ -153,6 +153,11 @@ def test_cluster_kernel_choice():
     for dt, threads in [("float32", 320), ("bfloat16", 160), ("float16", 160)]:
         assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_threads"] == threads, dt
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32")["cluster_threads"] == 544  # forward: 512 rows per CTA
+    # Side by side on two streams: every backward with the cluster kernel, the forward with two stage buffers.
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)["overlap"]
+    assert not _cuda.plan(16, 2, 1024, 1024, 2, "float32")["overlap"]  # one stage buffer
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["overlap"]
+    assert _cuda.plan(16, 2, 512, 512, 2, "float32")["overlap"]
     # The backward by problem size: 64 x 2 x 128^2 = 2^21 elements yes, 16 x 2 x 128^2 and 1 x 8 x 256^2 no.
     assert _cuda.plan(64, 2, 128, 128, 2, "float32", backward=True)["cluster_ctas"] == 2
     assert _cuda.plan(32, 49, 32, 32, 49, "float32", backward=True)["cluster_ctas"] == 2

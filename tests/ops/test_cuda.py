@@ -327,6 +327,40 @@ def test_split_vertical_lines(case, n, dtype):
         assert torch.equal(u, v), name_
 
 
+def test_cluster_and_vertical_launches_side_by_side():
+    """The cluster kernel and the split launch run on two streams (plan "overlap"), joined before the op
+    returns: called from a stream of the user's and replayed from a CUDA graph, every output bitwise equal to
+    the streaming kernels' (one launch)."""
+    B, C, H, W, K, chunk = 2, 2, 40, 1008, 2, 7
+    for backward in (False, True):
+        plan = _cuda.plan(B, C, H, W, K, "float32", backward=backward, kernel="cluster", cluster_ctas=4)
+        assert plan["overlap"] and plan["split_ctas"] == 4, backward
+    x, lam, gates, grad_h = (t.cuda() for t in _inputs(B, C, H, W, K, torch.float32, seed=11))
+
+    def both(kernel, ncta):
+        h = torch.ops.gspn2.propagate(x, lam, gates, chunk, kernel, ncta)
+        return (h, *torch.ops.gspn2.propagate_backward(grad_h, x, lam, gates, h, chunk, kernel, ncta))
+
+    want = both("fast", 0)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _poison_cuda_cache()
+        got = both("cluster", 4)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = both("cluster", 4)
+    for out in captured:
+        out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, u, v, w in zip(NAMES, got, captured, want):
+        assert torch.equal(u, w), name
+        assert torch.equal(v, w), name
+
+
 def test_cluster_kernel_deterministic_and_chosen_by_auto():
     """auto: the forward's cluster kernel from H = 512 (every dtype), the backward's by problem size."""
     options.set_options(kernel="auto")
