@@ -14,10 +14,14 @@
 //   2. each thread turns its row's T steps into x * lam and the normalised weights (registers), so the
 //      step loop holds no transcendental work; the stage is then free and the next tile's loads go out;
 //   3. halo rows take the neighbours' exact values of the previous tile's last step from this CTA's
-//      inbox (distributed shared memory, written by the neighbours, one split cluster barrier per tile);
+//      inbox (distributed shared memory, double buffered by tile parity), once its mbarrier says they
+//      have landed;
 //   4. T steps, one CTA barrier each, through a double-buffered fp32 line in shared memory;
-//   5. the boundary rows' last values go to the neighbours' inboxes (remote stores, then arrive), the own
-//      rows' outputs to an output stage that leaves as TMA box stores.
+//   5. the boundary rows' last values go to the neighbours' inboxes (st.async, each store counted on the
+//      neighbour's inbox mbarrier: no fence and no cluster barrier inside the loop), the own rows' outputs
+//      to an output stage that leaves as TMA box stores.
+// An inbox half is rewritten two exchanges later, which a neighbour can only reach after it has this CTA's
+// next exchange, sent after the half was read: the mbarriers alone order the exchange.
 // The arithmetic per pixel is the streaming kernels' (same normalisation, same fma order): the outputs
 // are bitwise equal to the streaming kernels' (kernel='fast'; tested).
 #include <cooperative_groups.h>
@@ -62,13 +66,8 @@ struct ClusterParams {
 using tma::mbar_expect_tx;
 using tma::mbar_init;
 using tma::mbar_wait;
+using tma::st_async;
 using tma::smem_u32;
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
 // A stage row holds one row's T steps of one plane: 64 bytes (fp32, TMA's 64-byte swizzle: 16-byte
 // piece ^= (row >> 1) & 3) or 32 bytes (16-bit, 32-byte swizzle: piece ^= (row >> 2) & 1).
 template <typename scalar_t>
@@ -158,6 +157,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * RB);  // [2][nt + 2], row i at i + 1
   float* const inbox = line + 2 * (nt + 2);                                  // [2 tiles][lower, upper][HALO]
   uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 4 * HALO + 2);  // [NSTAGE]
+  uint64_t* const ibar = bar + NSTAGE;  // [2]: the inbox's two halves (tiles kt & 1) filled
   for (int k = i; k < 2 * (nt + 2) + 4 * HALO; k += blockDim.x) line[k] = 0.f;
 
   const int px = b * p.C + c;                    // plane of x
@@ -179,13 +179,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
       for (int k = 0; k < 3; ++k) tma::load_3d(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, mb);
     }
   };
+  // the bytes that the neighbours store into my inbox per exchange (each of my halo rows' value)
+  const uint32_t in_bytes = uint32_t((rank > 0) + (rank < NCTA - 1)) * HALO * 4;
   if (i == 0) {
     for (int k = 0; k < NSTAGE; ++k) mbar_init(&bar[k], 1);
+    for (int k = 0; k < 2; ++k) mbar_init(&ibar[k], 1);
     tma::mbar_init_fence();
+    for (int k = 0; k < 2 && k + 1 < ntl; ++k) mbar_expect_tx(&ibar[k], in_bytes);  // exchanges 0 and 1
   }
   __syncthreads();
   if (i == 0) issue(0, 0);
-  cluster.sync();  // lines and inboxes zeroed, every CTA of the cluster running before any remote store
+  cluster.sync();  // lines zeroed, inbox barriers set up, every CTA of the cluster running before any remote store
 
   float xl[T], w0[T], w1[T], w2[T];  // per step of the tile (scan order): x * lam, normalised weights
   int par = 0, sm = 0;               // exchange line in use; step index modulo the restart period
@@ -212,14 +216,24 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
     }
     float* const prev0 = line + par * (nt + 2);
     if (kt > 0) {
-      cluster_wait_acquire();  // the neighbours' values of the previous tile's last step are in my inbox
+      // exchange kt - 1: the neighbours' values of the previous tile's last step are in my inbox
       const float* box = inbox + ((kt - 1) & 1) * 2 * HALO;
-      if (i < HALO && rank > 0) prev0[i + 1] = box[i];
-      if (i >= HALO + p.R && rank < NCTA - 1) prev0[i + 1] = box[i - p.R];
+      if (i < HALO && rank > 0) {
+        mbar_wait(&ibar[(kt - 1) & 1], ((kt - 1) >> 1) & 1);
+        prev0[i + 1] = box[i];
+      }
+      if (i >= HALO + p.R && rank < NCTA - 1) {
+        mbar_wait(&ibar[(kt - 1) & 1], ((kt - 1) >> 1) & 1);
+        prev0[i + 1] = box[i - p.R];
+      }
     }
     if (i == 0 && kt > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // ostage read
     __syncthreads();  // stage read (it may be refilled), halo rows in place, output stage free
     if (NSTAGE == 1 && i == 0 && kt + 1 < ntl) issue(kt + 1, 0);
+    // that inbox half was read before the barrier above: arm it for exchange kt + 1. Its phase of exchange
+    // kt - 1 has completed (the halo rows waited for it), and no neighbour stores exchange kt + 1 before it
+    // has my exchange kt, which goes out after this.
+    if (i == 0 && kt > 0 && kt + 2 < ntl) mbar_expect_tx(&ibar[(kt + 1) & 1], in_bytes);
 
     float hv = 0.f;
 #pragma unroll
@@ -242,11 +256,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
       sm = (sm + 1 == p.ce) ? 0 : sm + 1;
     }
     if (kt + 1 < ntl) {
-      // my boundary rows are the neighbours' halo rows: push this tile's last values, then arrive
+      // my boundary rows are the neighbours' halo rows: push this tile's last values (st.async, counted on
+      // the neighbour's inbox barrier of this tile's parity)
       float* box = inbox + (kt & 1) * 2 * HALO;
-      if (rank > 0 && i >= HALO && i < 2 * HALO) cluster.map_shared_rank(box, rank - 1)[i] = hv;  // upper
-      if (rank < NCTA - 1 && i >= p.R && i < p.R + HALO) cluster.map_shared_rank(box, rank + 1)[i - p.R] = hv;
-      cluster_arrive_release();
+      if (rank > 0 && i >= HALO && i < 2 * HALO) {  // the upper neighbour's lower halo
+        st_async(tma::cluster_addr(box + i, rank - 1), hv, tma::cluster_addr(&ibar[kt & 1], rank - 1));
+      }
+      if (rank < NCTA - 1 && i >= p.R && i < p.R + HALO) {  // the lower neighbour's upper halo
+        st_async(tma::cluster_addr(box + i - p.R, rank + 1), hv, tma::cluster_addr(&ibar[kt & 1], rank + 1));
+      }
     }
     if (own) {
 #pragma unroll
@@ -280,8 +298,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
 //   * the tile's normalised weights and grad_h into registers;
 //   * phase A, sequential: the adjoint adj_s = grad_h_s + sum_o w_o[s+1](q - o) adj_{s+1}(q - o) through
 //     three double-buffered lines of C_o = w_o * adj, one CTA barrier per step; halo rows take the
-//     neighbours' exact C_o of the previous tile's last step from the inbox (pushed, one split cluster
-//     barrier per tile);
+//     neighbours' exact C_o of the previous tile's last step from the inbox (pushed with st.async and
+//     counted on the inbox's mbarrier, as in the forward);
 //   * phase B, parallel: grad_lam = x adj, the grad_x term lam adj, the gate-logit gradients (h_{s-1} of
 //     rows q - 1, q, q + 1 from the stage), into an output stage that leaves as TMA box stores.
 // Outputs of the own rows only; the arithmetic per pixel is the streaming backward's (backward_step).
@@ -331,6 +349,7 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
   float* const lines = reinterpret_cast<float*>(ostage + bwd_out_bytes(p.R, RB));  // [2][3][nt + 2]
   float* const inbox = lines + 6 * (nt + 2);                                        // [2][2 sides][3][HALO]
   uint64_t* const bar = reinterpret_cast<uint64_t*>(inbox + 12 * HALO + 2);         // [2], 8-byte aligned
+  uint64_t* const ibar = bar + 2;  // [2]: the inbox's two halves (tiles m & 1) filled
   for (int k = tid; k < 6 * (nt + 2) + 12 * HALO; k += blockDim.x) lines[k] = 0.f;
 
   const int px = b * p.C + c;
@@ -359,14 +378,16 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
       tma::load_3d(plane(buf, 6) + off, &p.tm_h, j0, r, pl, mb);
     }
   };
+  // the bytes that the neighbours store into my inbox per exchange (three values per halo row)
+  const uint32_t in_bytes = uint32_t((rank > 0) + (rank < NCTA - 1)) * 3 * HALO * 4;
   if (tid == 0) {
-    mbar_init(&bar[0], 1);
-    mbar_init(&bar[1], 1);
+    for (int k = 0; k < 2; ++k) mbar_init(&bar[k], 1), mbar_init(&ibar[k], 1);
     tma::mbar_init_fence();
+    for (int k = 0; k < 2 && k + 1 < ntl; ++k) mbar_expect_tx(&ibar[k], in_bytes);  // exchanges 0 and 1
   }
   __syncthreads();
   if (tid == 0) issue(ntl - 1, 0);
-  cluster.sync();
+  cluster.sync();  // lines zeroed, inbox barriers set up, every CTA of the cluster running before any remote store
 
   float w0[T], w1[T], w2[T], A[T];  // per step t of the tile: weights; grad_h, then the adjoint
   int par = 0;
@@ -390,20 +411,23 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
         }
       }
     }
-    if (m > 0) {
-      cluster_wait_acquire();  // the neighbours' C_o of step (kt + 1) T are in my inbox
+    if (m > 0) {  // exchange m - 1: the neighbours' C_o of step (kt + 1) T are in my inbox
       const float* box = inbox + ((m - 1) & 1) * 6 * HALO;
       float* rd = lines + par * 3 * (nt + 2);
       if (row && i < HALO && rank > 0) {
+        mbar_wait(&ibar[(m - 1) & 1], ((m - 1) >> 1) & 1);
 #pragma unroll
         for (int o = 0; o < 3; ++o) rd[o * (nt + 2) + i + 1] = box[o * HALO + i];
       }
       if (row && i >= HALO + p.R && rank < NCTA - 1) {
+        mbar_wait(&ibar[(m - 1) & 1], ((m - 1) >> 1) & 1);
 #pragma unroll
         for (int o = 0; o < 3; ++o) rd[o * (nt + 2) + i + 1] = box[(3 + o) * HALO + i - HALO - p.R];
       }
     }
     __syncthreads();
+    // that inbox half was read before the barrier above: arm it for exchange m + 1 (as in the forward)
+    if (tid == 0 && m > 0 && m + 2 < ntl) mbar_expect_tx(&ibar[(m + 1) & 1], in_bytes);
 
     // Phase A: steps t = T - 1 .. 0 (scan step s = kt T + t).
     float c0v = 0.f, c1v = 0.f, c2v = 0.f;
@@ -429,17 +453,19 @@ __global__ void __launch_bounds__(kMaxThreadsBwd<scalar_t>, 1) gspn_backward_clu
       par ^= 1;
       sm = (sm == 0) ? p.ce - 1 : sm - 1;
     }
-    if (kt > 0) {  // my boundary rows' C_o of step kt T go to the neighbours' halo rows, then arrive
+    if (kt > 0) {  // my boundary rows' C_o of step kt T go to the neighbours' halo rows
+      // (st.async, counted on the neighbour's inbox barrier of this tile's parity)
       float* box = inbox + (m & 1) * 6 * HALO;
       if (row && rank > 0 && i >= HALO && i < 2 * HALO) {
-        float* nb = cluster.map_shared_rank(box, rank - 1);
-        nb[3 * HALO + i - HALO] = c0v, nb[4 * HALO + i - HALO] = c1v, nb[5 * HALO + i - HALO] = c2v;
+        const uint32_t nb = tma::cluster_addr(box + 3 * HALO + i - HALO, rank - 1);
+        const uint32_t mb = tma::cluster_addr(&ibar[m & 1], rank - 1);
+        st_async(nb, c0v, mb), st_async(nb + 4 * HALO, c1v, mb), st_async(nb + 8 * HALO, c2v, mb);
       }
       if (row && rank < NCTA - 1 && i >= p.R && i < p.R + HALO) {
-        float* nb = cluster.map_shared_rank(box, rank + 1);
-        nb[i - p.R] = c0v, nb[HALO + i - p.R] = c1v, nb[2 * HALO + i - p.R] = c2v;
+        const uint32_t nb = tma::cluster_addr(box + i - p.R, rank + 1);
+        const uint32_t mb = tma::cluster_addr(&ibar[m & 1], rank + 1);
+        st_async(nb, c0v, mb), st_async(nb + 4 * HALO, c1v, mb), st_async(nb + 8 * HALO, c2v, mb);
       }
-      cluster_arrive_release();
     }
     if (tid == 0 && m > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     __syncthreads();  // output stage free
@@ -650,7 +676,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
     s.oboxrows = s.R;
     s.nstage = 2;
     s.smem = 1024 + bwd_stage_bytes(s.nbox * s.boxrows, kClusterTile * esize) +
-             bwd_out_bytes(s.R, kClusterTile * esize) + (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 16;
+             bwd_out_bytes(s.R, kClusterTile * esize) + (6 * (s.NT + 2) + 12 * kClusterTile + 2) * 4 + 32;
     s.threads = s.NT * cluster_bwd_slices(esize);
     return s;
   }
@@ -661,7 +687,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
   // Two input stage buffers where they fit (16-bit inputs, or float32 with at most 256 rows per CTA), else one.
   auto smem = [&](int nstage) {
     return 1024 + nstage * NPLANE * s.nbox * s.boxrows * kClusterTile * esize +
-           s.onbox * s.oboxrows * kClusterTile * esize + (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8 * nstage;
+           s.onbox * s.oboxrows * kClusterTile * esize + (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8 * (nstage + 2);
   };
   s.nstage = smem(2) <= kSmemLimit ? 2 : 1;
   s.smem = smem(s.nstage);

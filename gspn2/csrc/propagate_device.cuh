@@ -196,6 +196,25 @@ __device__ __forceinline__ BlockIndex block_index(const PropagateParams& p) {
   return r;
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// The split kernels' exchange between the CTAs of a cluster: each thread stores its boundary values into a
+// neighbour's shared memory (`stored`), arrives on the cluster barrier, and waits (acquire) before reading
+// its own inbox. A release arrive makes the warp first wait for every memory access it has in flight,
+// global loads included (ERRBAR), which drains the kernels' prefetched loads at every exchange; so only the
+// warps that stored release, the others arrive relaxed. Warp-uniform (the vote), as `.aligned` requires.
+// (The cluster kernels' st.async exchange measured slower here: docs/benchmarks.md, "Design choices".)
+__device__ __forceinline__ void cluster_arrive(bool stored) {
+  if (__any_sync(0xffffffffu, stored)) {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  } else {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  }
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+#endif
+
 }  // namespace dev
 
 // Host: raises a kernel's opt-in dynamic shared memory to `bytes` where that is above the default 48 KB. Cheap,

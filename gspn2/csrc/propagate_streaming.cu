@@ -261,17 +261,20 @@ __device__ __forceinline__ void split_exchange(const Split& sp, float* slot, int
   cg::cluster_group cluster = cg::this_cluster();
   const int t = threadIdx.x;
   float* const box = sp.inbox + parity * 2 * kSplitHalo * NV;
-  if (sp.rank > 0 && t >= sp.lo && t < sp.lo + kSplitHalo) {  // the left neighbour's upper halo
+  const bool left = sp.rank > 0 && t >= sp.lo && t < sp.lo + kSplitHalo;
+  const bool right = sp.rank < sp.n - 1 && t >= sp.hi - kSplitHalo && t < sp.hi;
+  if (left) {  // the left neighbour's upper halo
     float* const nb = cluster.map_shared_rank(box, sp.rank - 1) + (kSplitHalo + t - sp.lo) * NV;
 #pragma unroll
     for (int k = 0; k < NV; ++k) nb[k] = slot[k];
   }
-  if (sp.rank < sp.n - 1 && t >= sp.hi - kSplitHalo && t < sp.hi) {  // the right neighbour's lower halo
+  if (right) {  // the right neighbour's lower halo
     float* const nb = cluster.map_shared_rank(box, sp.rank + 1) + (t - (sp.hi - kSplitHalo)) * NV;
 #pragma unroll
     for (int k = 0; k < NV; ++k) nb[k] = slot[k];
   }
-  cluster.sync();
+  dev::cluster_arrive(left || right);  // release only where a warp stored (see there)
+  dev::cluster_wait_acquire();
   const float* mine = nullptr;
   if (sp.rank > 0 && t < sp.lo) mine = box + t * NV;
   if (sp.rank < sp.n - 1 && t >= sp.hi && t < sp.hi + kSplitHalo) mine = box + (kSplitHalo + t - sp.hi) * NV;

@@ -40,6 +40,21 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// The address of `ptr` (this CTA's shared memory) in the shared memory of CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_addr(const void* ptr, int rank) {
+  uint32_t a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_u32(ptr)), "r"(rank));
+  return a;
+}
+// Stores `v` at `addr` in another CTA's shared memory (cluster_addr) and counts its 4 bytes on that CTA's
+// mbarrier `bar` (cluster_addr too): no fence; the receiver's mbar_wait orders its reads after the store, as
+// for a TMA copy. (A cluster-scope acquire there would also invalidate the SM's L1 cache at every exchange:
+// these values are in shared memory, which needs none of that.)
+__device__ __forceinline__ void st_async(uint32_t addr, float v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr),
+               "r"(__float_as_uint(v)), "r"(bar)
+               : "memory");
+}
 // Orders this thread's earlier generic-proxy shared-memory accesses before its later async-proxy ones (a
 // TMA copy into a buffer that the CTA has just read).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
