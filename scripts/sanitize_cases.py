@@ -18,8 +18,9 @@ Groups:
   exchanges every 16 steps on the taller images. The backward runs through autograd, i.e. on
   autograd's device thread, where the kernels must bind the CUDA context themselves. Then CTA counts set
   with ``cluster_ctas``: the float32 forward with one stage buffer (304 rows per CTA, forward only: the
-  float32 backward takes at most 128 rows) and the 16-bit backward with 256 rows per CTA (two TMA boxes
-  per plane).
+  float32 backward takes at most 128 rows), the 16-bit backward with 256 rows per CTA (two TMA boxes
+  per plane) and the bf16 forward with 512 rows per CTA (one stage buffer of 64-byte rows, two tiles per
+  copy).
 * ``dwconv``: the depthwise convolution kernels forced for every kernel size (``GSPN2_DWCONV=cuda``) with
   both backwards and both column counts, with and without the residual, and the inference-only fused SiLU;
   also on shapes whose backward CTAs loop over several tiles.
@@ -60,6 +61,7 @@ CLUSTER_CASES = [
 CLUSTER_CTAS_CASES = [
     (1, 1, 600, 32, 1, 9, "float32", 2, False),
     (1, 2, 500, 32, 1, 7, "bfloat16", 2, True),
+    (1, 1, 1000, 64, 1, 9, "bfloat16", 2, False),
 ]
 # (B, C, H, W, kernel size, residual, dtype name)
 DWCONV_CASES = [

@@ -153,6 +153,7 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   p.ncta = 0;
   p.cluster_smem = 0;
   p.cluster_stages = 0;
+  p.cluster_sub = 1;
   p.cluster_threads = 0;
   // Below these sizes the streaming kernels measured faster (bench_op.py --cluster-choice, docs/benchmarks.md).
   const bool large = backward ? int64_t(p.B) * p.C * p.H * p.W >= kClusterAutoMinElemsBwd : p.H >= kClusterAutoMinLine;
@@ -181,7 +182,16 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
                 " leaves more than ", most, " rows per CTA for H = ", p.H);
     ncta = o.cluster_ctas;
   }
-  const ClusterShape s = cluster_shape(p.H, ncta, backward, element_size(p.dtype));
+  // The bf16 forward's wide copies: where two input stage buffers of 64-byte rows (two tiles per copy) do
+  // not fit but one does, that one instead of two of 32-byte rows: the same shared memory, row visits twice
+  // as long (docs/kernel.md, "Cluster kernels"; measured 0.73-0.88x the forward at H = 768 and 1024, where
+  // two 64-byte buffers fit, up to 256 rows per CTA, 1.00-1.18x). fp16 keeps 32-byte rows (not measured).
+  int sub = 1;
+  if (!backward && p.dtype == ScalarType::BFloat16 && p.W % (2 * kClusterTile) == 0) {
+    const ClusterShape wide = cluster_shape(p.H, ncta, false, element_size(p.dtype), 2);
+    if (wide.nstage == 1 && wide.smem <= smem_limit) sub = 2;
+  }
+  const ClusterShape s = cluster_shape(p.H, ncta, backward, element_size(p.dtype), sub);
   if (s.smem > smem_limit) {
     GSPN2_CHECK(!forced, "kernel='cluster': ", s.smem, " bytes of shared memory per CTA do not fit ",
                 smem_limit);
@@ -190,6 +200,7 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
   p.ncta = ncta;
   p.cluster_smem = s.smem;
   p.cluster_stages = s.nstage;
+  p.cluster_sub = s.sub;
   p.cluster_threads = s.threads;
 }
 
@@ -657,6 +668,7 @@ py::dict plan(int64_t B, int64_t C, int64_t H, int64_t W, int64_t K, const std::
     if (p.ncta > 0) {
       d["cluster_smem_bytes"] = p.cluster_smem;
       d["cluster_stages"] = p.cluster_stages;  // the cluster kernel's input stage buffers
+      d["cluster_sub"] = p.cluster_sub;        // forward: tiles per input copy
       d["cluster_threads"] = p.cluster_threads;
       d["overlap"] = bool(p.overlap);  // the cluster kernel and the other launch side by side on two streams
     }

@@ -164,6 +164,7 @@ struct PropagateParams {
   int ncta;          // > 0: the horizontal directions run in the cluster kernel, ncta CTAs per line
   int cluster_smem;  // its dynamic shared memory per CTA
   int cluster_stages;  // its input stage buffers
+  int cluster_sub;     // forward: tiles per input copy (1, or 2: bf16 rows of 64 bytes)
   int cluster_threads;  // its threads per CTA
   int vsplit;        // > 0 (only with ncta > 0): the vertical directions run split, vsplit CTAs per line
   int vs_R, vs_nt, vs_pp, vs_smem;  // ... own positions, threads, exchange-line positions and shared memory per CTA
@@ -289,10 +290,11 @@ struct ClusterShape {
   int boxrows, nbox;    // TMA input boxes per plane and tile
   int oboxrows, onbox;  // TMA output boxes per tile
   int nstage;           // input stage buffers (the backward always has two)
+  int sub;              // forward: tiles of kClusterTile steps per input copy (1, or 2: the bf16 wide copies)
   int smem;             // dynamic shared memory per CTA
   int threads;          // threads per CTA: NT, times cluster_bwd_slices in the backward
 };
-ClusterShape cluster_shape(int H, int ncta, bool backward, int esize);
+ClusterShape cluster_shape(int H, int ncta, bool backward, int esize, int sub = 1);
 void launch_forward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_cluster(const PropagateParams& p, cudaStream_t stream);
 void launch_backward_fast(const PropagateParams& p, cudaStream_t stream);

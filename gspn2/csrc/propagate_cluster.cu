@@ -9,8 +9,10 @@
 // it and checks the halo width). Thread i <-> image row row0 + i, row0 = rank * R - HALO.
 // Per tile of T steps:
 //   1. the tile's five planes (x, lam, gate logits of offsets -1, 0, +1) arrive by TMA: thread 0 loads
-//      3-D boxes of T columns x boxrows rows (rows outside the image zero-filled, 64-byte swizzle) into
-//      the stage; completion counted on an mbarrier;
+//      3-D boxes of T columns x boxrows rows (rows outside the image zero-filled, swizzled at the row's
+//      width) into the stage; completion counted on an mbarrier. A copy may bring SUB tiles at once (the
+//      bf16 wide copies: rows of 2 * T columns, 64 bytes per row visit, in one stage buffer); the tiles of
+//      a copy then read their columns of the stage in scan order;
 //   2. each thread turns its row's T steps into x * lam and the normalised weights (registers), so the
 //      step loop holds no transcendental work; the stage is then free and the next tile's loads go out;
 //   3. halo rows take the neighbours' exact values of the previous tile's last step from this CTA's
@@ -68,15 +70,18 @@ using tma::mbar_init;
 using tma::mbar_wait;
 using tma::st_async;
 using tma::smem_u32;
-// A stage row holds one row's T steps of one plane: 64 bytes (fp32, TMA's 64-byte swizzle: 16-byte
-// piece ^= (row >> 1) & 3) or 32 bytes (16-bit, 32-byte swizzle: piece ^= (row >> 2) & 1).
-template <typename scalar_t>
+// A stage row holds one row's COLS columns of one plane, RB = COLS * element bytes: by default T steps, 64
+// bytes (fp32) or 32 bytes (16-bit); the bf16 forward's wide copies take 64 bytes. TMA's swizzle of that width
+// XORs the 16-byte piece index with address bits 7 and up: piece ^= (r * RB / 128) & (RB / 16 - 1), that is
+// (row >> 1) & 3 for 64-byte rows, (row >> 2) & 1 for 32-byte rows, row & 7 for 128-byte rows.
+template <typename scalar_t, int COLS = T>
 struct RowIO {
   using EL = dev::Elem<scalar_t>;
   using Bits = typename EL::bits;
-  static constexpr int ES = int(sizeof(Bits)), EPP = 16 / ES, NPC = T / EPP, RB = T * ES;
+  static constexpr int ES = int(sizeof(Bits)), EPP = 16 / ES, NPC = COLS / EPP, RB = COLS * ES;
+  static_assert(RB == 32 || RB == 64 || RB == 128, "a swizzled stage row is 32, 64 or 128 bytes");
   static __device__ __forceinline__ int offset(int r, int pc) {
-    return r * RB + 16 * (RB == 64 ? (pc ^ ((r >> 1) & 3)) : (pc ^ ((r >> 2) & 1)));
+    return r * RB + 16 * (pc ^ ((r * RB >> 7) & (RB / 16 - 1)));
   }
   static __device__ __forceinline__ uint4 load(const unsigned char* plane, int r, int pc) {
     return *reinterpret_cast<const uint4*>(plane + offset(r, pc));
@@ -134,12 +139,15 @@ __device__ __forceinline__ unsigned char* smem_base(unsigned char* smem_raw) {
 }
 #endif
 
-// NSTAGE input stage buffers: with 2 the next tile's loads overlap the whole of this tile's work.
-template <typename scalar_t, int NCTA, int NSTAGE>
+// NSTAGE input stage buffers: with 2 the next copy's loads overlap the whole of this copy's work. A copy
+// brings SUB tiles (1, or the wide copies' 128-byte rows: SUB tiles of T steps per row visit).
+template <typename scalar_t, int NCTA, int NSTAGE, int SUB>
 __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using IO = RowIO<scalar_t>;
-  constexpr int RB = IO::RB, EPP = IO::EPP;
+  using IO = RowIO<scalar_t>;             // the output stage: T columns
+  using IN = RowIO<scalar_t, SUB * T>;    // the input stage: SUB * T columns
+  constexpr int RB = IO::RB, EPP = IO::EPP, RBI = IN::RB, TC = SUB * T;
+  static_assert(IN::NPC == SUB * IO::NPC, "a copy's row is SUB tiles' rows");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
@@ -151,7 +159,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   // lines, the inboxes and one mbarrier per stage buffer.
   unsigned char* base = smem_base(smem_raw);
   const int srows = p.nbox * p.boxrows, orows = p.onbox * p.oboxrows;
-  const size_t stage_bytes = size_t(NPLANE) * srows * RB;  // one buffer; a multiple of the swizzle period
+  const size_t stage_bytes = size_t(NPLANE) * srows * RBI;  // one buffer; a multiple of the swizzle period
   unsigned char* const stage = base;
   unsigned char* const ostage = stage + NSTAGE * stage_bytes;
   float* const line = reinterpret_cast<float*>(ostage + size_t(orows) * RB);  // [2][nt + 2], row i at i + 1
@@ -163,20 +171,20 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   const int px = b * p.C + c;                    // plane of x
   const int pl = (b * 4 + d) * p.C + c;          // plane of lam and of h
   const int pg = (b * 4 + d) * 3 * p.K + grp;    // plane of the first gate logits
-  const int ntl = p.W / T;
-  const uint32_t tx_bytes = uint32_t(NPLANE) * srows * RB;
-  auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };
-  auto issue = [&](int kt, int buf) {  // thread 0
+  const int ntl = p.W / T, ntc = p.W / TC;  // tiles, copies
+  const uint32_t tx_bytes = uint32_t(NPLANE) * srows * RBI;
+  auto col0 = [&](int kt) { return d == 0 ? kt * T : p.W - (kt + 1) * T; };        // a tile's first column
+  auto issue = [&](int kc, int buf) {  // thread 0: copy kc
     uint64_t* mb = &bar[buf];
     mbar_expect_tx(mb, tx_bytes);
-    const int j0 = col0(kt);
+    const int j0 = d == 0 ? kc * TC : p.W - (kc + 1) * TC;
     for (int bx = 0; bx < p.nbox; ++bx) {
       const int r = row0 + bx * p.boxrows;
-      unsigned char* dst = stage + buf * stage_bytes + size_t(bx) * p.boxrows * RB;
+      unsigned char* dst = stage + buf * stage_bytes + size_t(bx) * p.boxrows * RBI;
       tma::load_3d(dst, &p.tm_x, j0, r, px, mb);
-      tma::load_3d(dst + size_t(srows) * RB, &p.tm_lam, j0, r, pl, mb);
+      tma::load_3d(dst + size_t(srows) * RBI, &p.tm_lam, j0, r, pl, mb);
 #pragma unroll
-      for (int k = 0; k < 3; ++k) tma::load_3d(dst + size_t(2 + k) * srows * RB, &p.tm_g, j0, r, pg + k * p.K, mb);
+      for (int k = 0; k < 3; ++k) tma::load_3d(dst + size_t(2 + k) * srows * RBI, &p.tm_g, j0, r, pg + k * p.K, mb);
     }
   };
   // the bytes that the neighbours store into my inbox per exchange (each of my halo rows' value)
@@ -194,17 +202,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
   float xl[T], w0[T], w1[T], w2[T];  // per step of the tile (scan order): x * lam, normalised weights
   int par = 0, sm = 0;               // exchange line in use; step index modulo the restart period
   for (int kt = 0; kt < ntl; ++kt) {
-    const int buf = NSTAGE == 2 ? kt & 1 : 0;
-    // Two buffers: the other one was last read before the previous tile's first barrier, so the next
-    // tile's loads go out now and overlap this whole tile.
-    if (NSTAGE == 2 && i == 0 && kt + 1 < ntl) issue(kt + 1, buf ^ 1);
-    mbar_wait(&bar[buf], (kt / NSTAGE) & 1);
+    const int kc = kt / SUB, sub = kt % SUB;  // copy, and this tile's place in it (scan order)
+    const int buf = NSTAGE == 2 ? kc & 1 : 0;
+    if (sub == 0) {
+      // Two buffers: the other one was last read before the previous copy's last tile's first barrier, so
+      // the next copy's loads go out now and overlap this whole copy.
+      if (NSTAGE == 2 && i == 0 && kc + 1 < ntc) issue(kc + 1, buf ^ 1);
+      mbar_wait(&bar[buf], (kc / NSTAGE) & 1);
+    }
     const unsigned char* const sb = stage + buf * stage_bytes;
+    const int pc0 = (d == 0 ? sub * T : TC - (sub + 1) * T) / EPP;  // the tile's first piece in the copy's row
 #pragma unroll
     for (int pc = 0; pc < IO::NPC; ++pc) {
       uint4 f[NPLANE];
 #pragma unroll
-      for (int k = 0; k < NPLANE; ++k) f[k] = IO::load(sb + size_t(k) * srows * RB, i, pc);
+      for (int k = 0; k < NPLANE; ++k) f[k] = IN::load(sb + size_t(k) * srows * RBI, i, pc0 + pc);
 #pragma unroll
       for (int e = 0; e < EPP; ++e) {
         const int j = pc * EPP + e;               // column j of the tile
@@ -229,7 +241,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(co
     }
     if (i == 0 && kt > 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // ostage read
     __syncthreads();  // stage read (it may be refilled), halo rows in place, output stage free
-    if (NSTAGE == 1 && i == 0 && kt + 1 < ntl) issue(kt + 1, 0);
+    if (NSTAGE == 1 && i == 0 && sub == SUB - 1 && kc + 1 < ntc) issue(kc + 1, 0);  // the copy is read
     // that inbox half was read before the barrier above: arm it for exchange kt + 1. Its phase of exchange
     // kt - 1 has completed (the halo rows waited for it), and no neighbour stores exchange kt + 1 before it
     // has my exchange kt, which goes out after this.
@@ -600,18 +612,21 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-// (W, H, planes) map of a contiguous tensor; boxes of T columns x boxrows rows x 1 plane: rows of 64 bytes
-// (float32, 64-byte swizzle) or 32 bytes (16-bit, 32-byte swizzle), as RowIO reads them.
+// (W, H, planes) map of a contiguous tensor; boxes of `cols` columns (T, or a wide copy's SUB * T) x boxrows
+// rows x 1 plane, swizzled at the row's width (32, 64 or 128 bytes), as RowIO reads them.
 void make_map(CUtensorMap* map, const void* ptr, int W, int H, int64_t planes, int boxrows,
-              ScalarType dtype = ScalarType::Float) {
+              ScalarType dtype = ScalarType::Float, int cols = T) {
   const cuuint64_t es = dtype == ScalarType::Float ? 4 : 2;
   const cuuint64_t dims[3] = {cuuint64_t(W), cuuint64_t(H), cuuint64_t(planes)};
   const cuuint64_t strides[2] = {cuuint64_t(W) * es, cuuint64_t(W) * H * es};
-  const cuuint32_t box[3] = {cuuint32_t(T), cuuint32_t(boxrows), 1};
+  const cuuint32_t box[3] = {cuuint32_t(cols), cuuint32_t(boxrows), 1};
   const cuuint32_t estr[3] = {1, 1, 1};
+  const cuuint64_t row_bytes = cols * es;
+  const CUtensorMapSwizzle swizzle = row_bytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : row_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                       : CU_TENSOR_MAP_SWIZZLE_32B;
   const CUresult r = encode_tiled()(map, tma::data_type(dtype), 3, const_cast<void*>(ptr), dims, strides, box, estr,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    es == 4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                     CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     throw std::runtime_error(message("gspn2: cuTensorMapEncodeTiled failed (CUresult ", int(r), ") for a (", W, ", ", H,
@@ -627,7 +642,7 @@ void bind_context() { C10_CUDA_CHECK(tma::bind_context()); }
 using ClusterKernel = void (*)(ClusterParams);
 
 template <int NCTA>
-ClusterKernel pick_kernel(ScalarType dtype, bool backward, int nstage) {
+ClusterKernel pick_kernel(ScalarType dtype, bool backward, int nstage, int sub) {
   if (backward) {
     switch (dtype) {
       case ScalarType::Half: return gspn_backward_cluster_kernel<__half, NCTA>;
@@ -635,18 +650,21 @@ ClusterKernel pick_kernel(ScalarType dtype, bool backward, int nstage) {
       default: return gspn_backward_cluster_kernel<float, NCTA>;
     }
   }
-  // 16-bit inputs always have room for two stage buffers (cluster_shape)
+  // 16-bit inputs with copies of one tile always have room for two stage buffers (cluster_shape); the bf16
+  // wide copies (two tiles) take one (plan_cluster)
   switch (dtype) {
-    case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA, 2>;
-    case ScalarType::BFloat16: return gspn_forward_cluster_kernel<__nv_bfloat16, NCTA, 2>;
+    case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA, 2, 1>;
+    case ScalarType::BFloat16:
+      return sub == 2 ? gspn_forward_cluster_kernel<__nv_bfloat16, NCTA, 1, 2>
+                      : gspn_forward_cluster_kernel<__nv_bfloat16, NCTA, 2, 1>;
     default:
-      return nstage == 2 ? gspn_forward_cluster_kernel<float, NCTA, 2> : gspn_forward_cluster_kernel<float, NCTA, 1>;
+      return nstage == 2 ? gspn_forward_cluster_kernel<float, NCTA, 2, 1> : gspn_forward_cluster_kernel<float, NCTA, 1, 1>;
   }
 }
 
 template <int NCTA>
 void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStream_t stream, bool backward) {
-  const ClusterKernel kernel = pick_kernel<NCTA>(pp.dtype, backward, pp.cluster_stages);
+  const ClusterKernel kernel = pick_kernel<NCTA>(pp.dtype, backward, pp.cluster_stages, pp.cluster_sub);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pp.cluster_smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(NCTA * 2 * pp.B * pp.C);
@@ -665,8 +683,9 @@ void launch_cluster(const ClusterParams& p, const PropagateParams& pp, cudaStrea
 
 }  // namespace
 
-ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
+ClusterShape cluster_shape(int H, int ncta, bool backward, int esize, int sub) {
   ClusterShape s;
+  s.sub = backward ? 1 : sub;
   s.R = round_up((H + ncta - 1) / ncta, 16);  // output boxes of a multiple of 8 rows end at the CTA's rows
   s.NT = s.R + 2 * kClusterTile;
   if (backward) {  // two buffers of 7 planes (one box per plane up to 256 rows, else two), 5 output planes
@@ -686,7 +705,7 @@ ClusterShape cluster_shape(int H, int ncta, bool backward, int esize) {
   s.oboxrows = s.R / s.onbox;
   // Two input stage buffers where they fit (16-bit inputs, or float32 with at most 256 rows per CTA), else one.
   auto smem = [&](int nstage) {
-    return 1024 + nstage * NPLANE * s.nbox * s.boxrows * kClusterTile * esize +
+    return 1024 + nstage * NPLANE * s.nbox * s.boxrows * s.sub * kClusterTile * esize +
            s.onbox * s.oboxrows * kClusterTile * esize + (2 * (s.NT + 2) + 4 * kClusterTile + 2) * 4 + 8 * (nstage + 2);
   };
   s.nstage = smem(2) <= kSmemLimit ? 2 : 1;
@@ -702,9 +721,9 @@ ClusterParams cluster_params(const PropagateParams& pp, const ClusterShape& s) {
   p.B = pp.B, p.C = pp.C, p.K = pp.K, p.H = pp.H, p.W = pp.W, p.G = pp.G;
   p.R = s.R, p.NT = s.NT, p.boxrows = s.boxrows, p.nbox = s.nbox, p.oboxrows = s.oboxrows, p.onbox = s.onbox;
   p.ce = pp.chunk > 0 && pp.chunk < pp.W ? pp.chunk : pp.W;
-  make_map(&p.tm_x, pp.x, pp.W, pp.H, int64_t(pp.B) * pp.C, s.boxrows, pp.dtype);
-  make_map(&p.tm_lam, pp.lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows, pp.dtype);
-  make_map(&p.tm_g, pp.gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.boxrows, pp.dtype);
+  make_map(&p.tm_x, pp.x, pp.W, pp.H, int64_t(pp.B) * pp.C, s.boxrows, pp.dtype, s.sub * T);
+  make_map(&p.tm_lam, pp.lam, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.boxrows, pp.dtype, s.sub * T);
+  make_map(&p.tm_g, pp.gates, pp.W, pp.H, int64_t(pp.B) * 12 * pp.K, s.boxrows, pp.dtype, s.sub * T);
   return p;
 }
 
@@ -721,9 +740,10 @@ void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t
 
 void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
-  const ClusterShape s = cluster_shape(pp.H, pp.ncta, false, element_size(pp.dtype));
-  TORCH_CHECK(s.nstage == pp.cluster_stages && (pp.dtype == ScalarType::Float || s.nstage == 2),
-              "gspn2: cluster forward planned with ", pp.cluster_stages, " stage buffers");
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta, false, element_size(pp.dtype), pp.cluster_sub);
+  const bool wide = s.sub == 2 && pp.dtype == ScalarType::BFloat16 && s.nstage == 1;
+  TORCH_CHECK(s.nstage == pp.cluster_stages && (wide || (s.sub == 1 && (pp.dtype == ScalarType::Float || s.nstage == 2))),
+              "gspn2: cluster forward planned with ", pp.cluster_stages, " stage buffers and copies of ", s.sub, " tiles");
   bind_context();
   ClusterParams p = cluster_params(pp, s);
   make_map(&p.tm_h, pp.h, pp.W, pp.H, int64_t(pp.B) * 4 * pp.C, s.oboxrows, pp.dtype);
@@ -732,7 +752,7 @@ void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
 
 void launch_backward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.ncta > 0 && pp.cs == 1, "gspn2: cluster backward planned for an unsupported case");
-  const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, element_size(pp.dtype));
+  const ClusterShape s = cluster_shape(pp.H, pp.ncta, true, element_size(pp.dtype), 1);
   TORCH_CHECK(s.threads == pp.cluster_threads, "gspn2: cluster backward planned with ", pp.cluster_threads, " threads");
   bind_context();
   ClusterParams p = cluster_params(pp, s);

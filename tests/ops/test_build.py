@@ -132,12 +132,18 @@ def test_cluster_kernel_choice():
     big = _cuda.plan(1, 8, 1024, 1024, 8, "float32")
     assert big["cluster_ctas"] == 8 and 0 < big["cluster_smem_bytes"] <= 227 * 1024
     # The forward's two input stage buffers where they fit: 16-bit rows (32 bytes), or float32 with at most
-    # 256 rows per CTA; float32 with 512 rows keeps one (two would need 390 KB).
+    # 256 rows per CTA; float32 with 512 rows keeps one (two would need 390 KB). bf16 takes one buffer of
+    # 64-byte rows (two tiles per copy) where two of those do not fit but one does: 512 rows per CTA.
     assert big["cluster_stages"] == 2  # 128 rows per CTA
-    for dt, ctas, stages in [("float32", 2, 1), ("float32", 4, 2), ("bfloat16", 2, 2), ("float16", 2, 2)]:
+    for dt, ctas, stages, sub in [("float32", 2, 1, 1), ("float32", 4, 2, 1), ("bfloat16", 2, 1, 2),
+                                  ("bfloat16", 4, 2, 1), ("bfloat16", 8, 2, 1), ("float16", 2, 2, 1)]:
         pl = _cuda.plan(16, 2, 1024, 1024, 2, dt, cluster_ctas=ctas)
-        assert (pl["cluster_ctas"], pl["cluster_stages"]) == (ctas, stages), (dt, ctas)
+        assert (pl["cluster_ctas"], pl["cluster_stages"], pl["cluster_sub"]) == (ctas, stages, sub), (dt, ctas)
         assert pl["cluster_smem_bytes"] <= 227 * 1024, (dt, ctas)
+    assert _cuda.plan(16, 2, 768, 768, 2, "bfloat16")["cluster_sub"] == 2  # 384 rows per CTA
+    assert _cuda.plan(16, 2, 512, 512, 2, "bfloat16")["cluster_sub"] == 1  # 256 rows: two 64-byte buffers fit
+    assert _cuda.plan(16, 2, 1024, 1008, 2, "bfloat16")["cluster_sub"] == 1  # W not a multiple of 32
+    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16", backward=True)["cluster_sub"] == 1
     assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["cluster_ctas"] == 2
     no_cluster = [(16, 2, 1024, 1000, 2, "float32"), (16, 2, 1000, 1000, 2, "bfloat16"),
                   (64, 2, 256, 256, 2, "float32")]
@@ -156,7 +162,8 @@ def test_cluster_kernel_choice():
     # Side by side on two streams: every backward with the cluster kernel, the forward with two stage buffers.
     assert _cuda.plan(16, 2, 1024, 1024, 2, "float32", backward=True)["overlap"]
     assert not _cuda.plan(16, 2, 1024, 1024, 2, "float32")["overlap"]  # one stage buffer
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["overlap"]
+    assert _cuda.plan(16, 2, 512, 512, 2, "bfloat16")["overlap"]
+    assert not _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["overlap"]  # one stage buffer of 64-byte rows
     assert _cuda.plan(16, 2, 512, 512, 2, "float32")["overlap"]
     # The backward by problem size: 64 x 2 x 128^2 = 2^21 elements yes, 16 x 2 x 128^2 and 1 x 8 x 256^2 no.
     assert _cuda.plan(64, 2, 128, 128, 2, "float32", backward=True)["cluster_ctas"] == 2
