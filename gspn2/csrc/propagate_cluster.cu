@@ -14,7 +14,8 @@
 //      bf16 wide copies: rows of 2 * T columns, 64 bytes per row visit, in one stage buffer); the tiles of
 //      a copy then read their columns of the stage in scan order;
 //   2. each thread turns its row's T steps into x * lam and the normalised weights (registers), so the
-//      step loop holds no transcendental work; the stage is then free and the next tile's loads go out;
+//      step loop holds no transcendental work; the stage is then free (with one buffer once the copy's last
+//      tile has read it) and the next copy's loads go out;
 //   3. halo rows take the neighbours' exact values of the previous tile's last step from this CTA's
 //      inbox (distributed shared memory, double buffered by tile parity), once its mbarrier says they
 //      have landed;
@@ -140,7 +141,7 @@ __device__ __forceinline__ unsigned char* smem_base(unsigned char* smem_raw) {
 #endif
 
 // NSTAGE input stage buffers: with 2 the next copy's loads overlap the whole of this copy's work. A copy
-// brings SUB tiles (1, or the wide copies' 128-byte rows: SUB tiles of T steps per row visit).
+// brings SUB tiles: 1, or 2 for the bf16 wide copies (64-byte rows, one buffer).
 template <typename scalar_t, int NCTA, int NSTAGE, int SUB>
 __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
