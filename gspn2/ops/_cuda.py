@@ -99,7 +99,8 @@ def plan(B, C, H, W, K, dtype="float32", backward=False, kernel=None, cluster_ct
     Streaming plans also give ``cluster_ctas``: CTAs per line of the cluster kernel that computes the
     horizontal directions (0: the streaming kernel does), and ``split_ctas``: CTAs per line of the split kernel
     that then computes the vertical ones (0: one block per line in the streaming kernel); with the cluster
-    kernel, ``overlap``: whether the two launches run side by side on two streams. Without a GPU the
+    kernel, ``overlap``: whether the two launches run side by side on two streams, ``cluster_stages`` and
+    ``cluster_sub``: its input stage buffers and tiles of 16 steps per input copy. Without a GPU the
     plan is an H200's. ``kernel`` and ``cluster_ctas`` default to the process options.
     """
     require_extension()
