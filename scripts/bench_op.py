@@ -169,9 +169,11 @@ def fmt(v, nd=3):
 
 def kernel_name(plan) -> str:
     """The plan in a few words: family, channels per block, the cluster kernels' CTAs per line (horizontal,
-    then the split vertical lines)."""
+    with the tiles per input copy where a copy brings several, then the split vertical lines)."""
     name = f"{plan.get('kernel', 'general')} ({plan['cs']})"
     name += f" + cluster x{plan['cluster_ctas']}" if plan.get("cluster_ctas") else ""
+    if plan.get("cluster_ctas") and plan.get("cluster_sub", 1) > 1:
+        name += f" ({plan['cluster_sub']} tiles per copy)"
     return name + (f" + split x{plan['split_ctas']}" if plan.get("split_ctas") else "")
 
 

@@ -16,6 +16,8 @@ def test_floor_bytes_counts_every_direction(bench):
 
 def test_kernel_name_and_table_show_the_cluster_kernel(bench):
     assert bench.kernel_name({"kernel": "fast", "cs": 1, "cluster_ctas": 2}) == "fast (1) + cluster x2"
+    wide = {"kernel": "fast", "cs": 1, "cluster_ctas": 2, "cluster_sub": 2, "split_ctas": 2}
+    assert bench.kernel_name(wide) == "fast (1) + cluster x2 (2 tiles per copy) + split x2"
     assert bench.kernel_name({"kernel": "fast", "cs": 4, "cluster_ctas": 0}) == "fast (4)"
     assert bench.kernel_name({"kernel": "general", "cs": 2}) == "general (2)"
     split = {"kernel": "fast", "cs": 1, "cluster_ctas": 8, "split_ctas": 2}
