@@ -62,6 +62,7 @@ CLUSTER_CTAS_CASES = [
     (1, 1, 600, 32, 1, 9, "float32", 2, False),
     (1, 2, 500, 32, 1, 7, "bfloat16", 2, True),
     (1, 1, 1000, 64, 1, 9, "bfloat16", 2, False),
+    (1, 1, 1000, 64, 1, 5, "float16", 2, False),
 ]
 # (B, C, H, W, kernel size, residual, dtype name)
 DWCONV_CASES = [

@@ -182,12 +182,12 @@ void plan_cluster(PropagateParams& p, bool backward, const PlanOptions& o, int s
                 " leaves more than ", most, " rows per CTA for H = ", p.H);
     ncta = o.cluster_ctas;
   }
-  // The bf16 forward's wide copies: where two input stage buffers of 64-byte rows (two tiles per copy) do
+  // The 16-bit forward's wide copies: where two input stage buffers of 64-byte rows (two tiles per copy) do
   // not fit but one does, that one instead of two of 32-byte rows: the same shared memory, row visits twice
-  // as long (docs/kernel.md, "Cluster kernels"; measured 0.73-0.88x the forward at H = 768 and 1024, where
-  // two 64-byte buffers fit, up to 256 rows per CTA, 1.00-1.18x). fp16 keeps 32-byte rows (not measured).
+  // as long (docs/kernel.md, "Cluster kernels"; measured 0.73-0.88x the forward at H = 768 and 1024 in bf16,
+  // 0.73x at 16x2x1024^2 in fp16; where two 64-byte buffers fit, up to 256 rows per CTA, 1.00-1.18x).
   int sub = 1;
-  if (!backward && p.dtype == ScalarType::BFloat16 && p.W % (2 * kClusterTile) == 0) {
+  if (!backward && p.dtype != ScalarType::Float && p.W % (2 * kClusterTile) == 0) {
     const ClusterShape wide = cluster_shape(p.H, ncta, false, element_size(p.dtype), 2);
     if (wide.nstage == 1 && wide.smem <= smem_limit) sub = 2;
   }

@@ -164,7 +164,7 @@ struct PropagateParams {
   int ncta;          // > 0: the horizontal directions run in the cluster kernel, ncta CTAs per line
   int cluster_smem;  // its dynamic shared memory per CTA
   int cluster_stages;  // its input stage buffers
-  int cluster_sub;     // forward: tiles per input copy (1, or 2: bf16 rows of 64 bytes)
+  int cluster_sub;     // forward: tiles per input copy (1, or 2: 16-bit rows of 64 bytes)
   int cluster_threads;  // its threads per CTA
   int vsplit;        // > 0 (only with ncta > 0): the vertical directions run split, vsplit CTAs per line
   int vs_R, vs_nt, vs_pp, vs_smem;  // ... own positions, threads, exchange-line positions and shared memory per CTA

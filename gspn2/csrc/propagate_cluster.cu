@@ -11,7 +11,7 @@
 //   1. the tile's five planes (x, lam, gate logits of offsets -1, 0, +1) arrive by TMA: thread 0 loads
 //      3-D boxes of T columns x boxrows rows (rows outside the image zero-filled, swizzled at the row's
 //      width) into the stage; completion counted on an mbarrier. A copy may bring SUB tiles at once (the
-//      bf16 wide copies: rows of 2 * T columns, 64 bytes per row visit, in one stage buffer); the tiles of
+//      16-bit wide copies: rows of 2 * T columns, 64 bytes per row visit, in one stage buffer); the tiles of
 //      a copy then read their columns of the stage in scan order;
 //   2. each thread turns its row's T steps into x * lam and the normalised weights (registers), so the
 //      step loop holds no transcendental work; the stage is then free (with one buffer once the copy's last
@@ -72,7 +72,7 @@ using tma::mbar_wait;
 using tma::st_async;
 using tma::smem_u32;
 // A stage row holds one row's COLS columns of one plane, RB = COLS * element bytes: by default T steps, 64
-// bytes (fp32) or 32 bytes (16-bit); the bf16 forward's wide copies take 64 bytes. TMA's swizzle of that width
+// bytes (fp32) or 32 bytes (16-bit); the 16-bit forward's wide copies take 64 bytes. TMA's swizzle of that width
 // XORs the 16-byte piece index with address bits 7 and up: piece ^= (r * RB / 128) & (RB / 16 - 1), that is
 // (row >> 1) & 3 for 64-byte rows, (row >> 2) & 1 for 32-byte rows, row & 7 for 128-byte rows.
 template <typename scalar_t, int COLS = T>
@@ -141,7 +141,7 @@ __device__ __forceinline__ unsigned char* smem_base(unsigned char* smem_raw) {
 #endif
 
 // NSTAGE input stage buffers: with 2 the next copy's loads overlap the whole of this copy's work. A copy
-// brings SUB tiles: 1, or 2 for the bf16 wide copies (64-byte rows, one buffer).
+// brings SUB tiles: 1, or 2 for the 16-bit wide copies (64-byte rows, one buffer).
 template <typename scalar_t, int NCTA, int NSTAGE, int SUB>
 __global__ void __launch_bounds__(kMaxThreads, 1) gspn_forward_cluster_kernel(const __grid_constant__ ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -651,10 +651,11 @@ ClusterKernel pick_kernel(ScalarType dtype, bool backward, int nstage, int sub) 
       default: return gspn_backward_cluster_kernel<float, NCTA>;
     }
   }
-  // 16-bit inputs with copies of one tile always have room for two stage buffers (cluster_shape); the bf16
+  // 16-bit inputs with copies of one tile always have room for two stage buffers (cluster_shape); the 16-bit
   // wide copies (two tiles) take one (plan_cluster)
   switch (dtype) {
-    case ScalarType::Half: return gspn_forward_cluster_kernel<__half, NCTA, 2, 1>;
+    case ScalarType::Half:
+      return sub == 2 ? gspn_forward_cluster_kernel<__half, NCTA, 1, 2> : gspn_forward_cluster_kernel<__half, NCTA, 2, 1>;
     case ScalarType::BFloat16:
       return sub == 2 ? gspn_forward_cluster_kernel<__nv_bfloat16, NCTA, 1, 2>
                       : gspn_forward_cluster_kernel<__nv_bfloat16, NCTA, 2, 1>;
@@ -742,7 +743,7 @@ void launch_ncta(const ClusterParams& p, const PropagateParams& pp, cudaStream_t
 void launch_forward_cluster(const PropagateParams& pp, cudaStream_t stream) {
   TORCH_CHECK(pp.ncta > 0, "gspn2: cluster kernel planned for an unsupported case");
   const ClusterShape s = cluster_shape(pp.H, pp.ncta, false, element_size(pp.dtype), pp.cluster_sub);
-  const bool wide = s.sub == 2 && pp.dtype == ScalarType::BFloat16 && s.nstage == 1;
+  const bool wide = s.sub == 2 && pp.dtype != ScalarType::Float && s.nstage == 1;
   TORCH_CHECK(s.nstage == pp.cluster_stages && (wide || (s.sub == 1 && (pp.dtype == ScalarType::Float || s.nstage == 2))),
               "gspn2: cluster forward planned with ", pp.cluster_stages, " stage buffers and copies of ", s.sub, " tiles");
   bind_context();

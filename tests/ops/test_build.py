@@ -136,14 +136,17 @@ def test_cluster_kernel_choice():
     # 64-byte rows (two tiles per copy) where two of those do not fit but one does: 512 rows per CTA.
     assert big["cluster_stages"] == 2  # 128 rows per CTA
     for dt, ctas, stages, sub in [("float32", 2, 1, 1), ("float32", 4, 2, 1), ("bfloat16", 2, 1, 2),
-                                  ("bfloat16", 4, 2, 1), ("bfloat16", 8, 2, 1), ("float16", 2, 2, 1)]:
+                                  ("bfloat16", 4, 2, 1), ("bfloat16", 8, 2, 1), ("float16", 2, 1, 2),
+                                  ("float16", 4, 2, 1)]:
         pl = _cuda.plan(16, 2, 1024, 1024, 2, dt, cluster_ctas=ctas)
         assert (pl["cluster_ctas"], pl["cluster_stages"], pl["cluster_sub"]) == (ctas, stages, sub), (dt, ctas)
         assert pl["cluster_smem_bytes"] <= 227 * 1024, (dt, ctas)
-    assert _cuda.plan(16, 2, 768, 768, 2, "bfloat16")["cluster_sub"] == 2  # 384 rows per CTA
-    assert _cuda.plan(16, 2, 512, 512, 2, "bfloat16")["cluster_sub"] == 1  # 256 rows: two 64-byte buffers fit
-    assert _cuda.plan(16, 2, 1024, 1008, 2, "bfloat16")["cluster_sub"] == 1  # W not a multiple of 32
-    assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16", backward=True)["cluster_sub"] == 1
+    for dt in ("bfloat16", "float16"):
+        assert _cuda.plan(16, 2, 768, 768, 2, dt)["cluster_sub"] == 2, dt  # 384 rows per CTA
+        assert _cuda.plan(16, 2, 512, 512, 2, dt)["cluster_sub"] == 1, dt  # 256 rows: two 64-byte buffers fit
+        assert _cuda.plan(16, 2, 1024, 1008, 2, dt)["cluster_sub"] == 1, dt  # W not a multiple of 32
+        assert _cuda.plan(16, 2, 1024, 1024, 2, dt, backward=True)["cluster_sub"] == 1, dt
+    assert _cuda.plan(16, 2, 768, 768, 2, "float32")["cluster_sub"] == 1
     assert _cuda.plan(16, 2, 1024, 1024, 2, "bfloat16")["cluster_ctas"] == 2
     no_cluster = [(16, 2, 1024, 1000, 2, "float32"), (16, 2, 1000, 1000, 2, "bfloat16"),
                   (64, 2, 256, 256, 2, "float32")]

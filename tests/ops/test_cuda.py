@@ -280,21 +280,23 @@ def test_cluster_forward_stage_buffers(dtype, ncta, stages):
     assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("chunk", [None, 37], ids=["whole", "chunk37"])
-def test_cluster_forward_bf16_wide_copies(chunk):
-    """The bf16 cluster forward with 512 rows per CTA takes one stage buffer of 64-byte rows (two tiles of
+def test_cluster_forward_16bit_wide_copies(chunk, dtype):
+    """The 16-bit cluster forward with 512 rows per CTA takes one stage buffer of 64-byte rows (two tiles of
     16 steps per copy, read in scan order in both directions): bitwise equal to the streaming kernels over
     several copies, with and without restarts inside copies."""
     B, C, H, W, K = 2, 2, 1000, 96, 1
+    name = str(dtype).split(".")[1]
     options.set_options(kernel="cluster", cluster_ctas=2)
-    plan = _cuda.plan(B, C, H, W, K, "bfloat16")
+    plan = _cuda.plan(B, C, H, W, K, name)
     assert (plan["cluster_ctas"], plan["cluster_sub"], plan["cluster_stages"]) == (2, 2, 1)
-    x, lam, gates, _ = _inputs(B, C, H, W, K, torch.bfloat16, seed=11)
+    x, lam, gates, _ = _inputs(B, C, H, W, K, dtype, seed=11)
     xs, ls, gs = (t.cuda() for t in (x, lam, gates))
     _poison_cuda_cache()
     got = gspn_propagate(xs, ls, gs, chunk)
     options.set_options(kernel="fast", cluster_ctas=0)
-    assert _cuda.plan(B, C, H, W, K, "bfloat16")["cluster_ctas"] == 0
+    assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] == 0
     assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
 
 
