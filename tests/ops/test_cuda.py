@@ -257,6 +257,22 @@ def test_cluster_kernels_16bit(case, dtype):
         assert torch.equal(u, v), name_
 
 
+def _cluster_forward_against_fast(B, C, H, W, K, dtype, chunk, seed, ncta, expected_plan):
+    """The forward on the cluster kernels with `ncta` CTAs per line, whose plan must hold `expected_plan`:
+    bitwise equal to the streaming kernels."""
+    name = str(dtype).split(".")[1]
+    options.set_options(kernel="cluster", cluster_ctas=ncta)
+    plan = _cuda.plan(B, C, H, W, K, name)
+    assert {k: plan[k] for k in expected_plan} == expected_plan
+    x, lam, gates, _ = _inputs(B, C, H, W, K, dtype, seed=seed)
+    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
+    _poison_cuda_cache()
+    got = gspn_propagate(xs, ls, gs, chunk)
+    options.set_options(kernel="fast", cluster_ctas=0)
+    assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] == 0
+    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+
+
 @pytest.mark.parametrize(
     "dtype,ncta,stages",
     [(torch.float32, 2, 1), (torch.float32, 4, 2), (torch.bfloat16, 2, 2)],
@@ -266,18 +282,8 @@ def test_cluster_forward_stage_buffers(dtype, ncta, stages):
     """The cluster forward with one input stage buffer (float32, 304 rows per CTA) and with two (the next
     tile's loads in flight during the whole tile): bitwise equal to the streaming kernels over many tiles,
     with restarts."""
-    B, C, H, W, K, chunk = 2, 2, 600, 160, 1, 37
-    name = str(dtype).split(".")[1]
-    options.set_options(kernel="cluster", cluster_ctas=ncta)
-    plan = _cuda.plan(B, C, H, W, K, name)
-    assert (plan["cluster_ctas"], plan["cluster_stages"]) == (ncta, stages)
-    x, lam, gates, _ = _inputs(B, C, H, W, K, dtype, seed=9)
-    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
-    _poison_cuda_cache()
-    got = gspn_propagate(xs, ls, gs, chunk)
-    options.set_options(kernel="fast", cluster_ctas=0)
-    assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] == 0
-    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+    _cluster_forward_against_fast(2, 2, 600, 160, 1, dtype, 37, seed=9, ncta=ncta,
+                                  expected_plan={"cluster_ctas": ncta, "cluster_stages": stages})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -286,18 +292,8 @@ def test_cluster_forward_16bit_wide_copies(chunk, dtype):
     """The 16-bit cluster forward with 512 rows per CTA takes one stage buffer of 64-byte rows (two tiles of
     16 steps per copy, read in scan order in both directions): bitwise equal to the streaming kernels over
     several copies, with and without restarts inside copies."""
-    B, C, H, W, K = 2, 2, 1000, 96, 1
-    name = str(dtype).split(".")[1]
-    options.set_options(kernel="cluster", cluster_ctas=2)
-    plan = _cuda.plan(B, C, H, W, K, name)
-    assert (plan["cluster_ctas"], plan["cluster_sub"], plan["cluster_stages"]) == (2, 2, 1)
-    x, lam, gates, _ = _inputs(B, C, H, W, K, dtype, seed=11)
-    xs, ls, gs = (t.cuda() for t in (x, lam, gates))
-    _poison_cuda_cache()
-    got = gspn_propagate(xs, ls, gs, chunk)
-    options.set_options(kernel="fast", cluster_ctas=0)
-    assert _cuda.plan(B, C, H, W, K, name)["cluster_ctas"] == 0
-    assert torch.equal(got, gspn_propagate(xs, ls, gs, chunk))
+    _cluster_forward_against_fast(2, 2, 1000, 96, 1, dtype, chunk, seed=11, ncta=2,
+                                  expected_plan={"cluster_ctas": 2, "cluster_sub": 2, "cluster_stages": 1})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
