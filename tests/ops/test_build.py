@@ -132,8 +132,8 @@ def test_cluster_kernel_choice():
     big = _cuda.plan(1, 8, 1024, 1024, 8, "float32")
     assert big["cluster_ctas"] == 8 and 0 < big["cluster_smem_bytes"] <= 227 * 1024
     # The forward's two input stage buffers where they fit: 16-bit rows (32 bytes), or float32 with at most
-    # 256 rows per CTA; float32 with 512 rows keeps one (two would need 390 KB). bf16 takes one buffer of
-    # 64-byte rows (two tiles per copy) where two of those do not fit but one does: 512 rows per CTA.
+    # 256 rows per CTA; float32 with 512 rows keeps one (two would need 390 KB). 16-bit inputs take one buffer
+    # of 64-byte rows (two tiles per copy) where two of those do not fit but one does: 512 rows per CTA.
     assert big["cluster_stages"] == 2  # 128 rows per CTA
     for dt, ctas, stages, sub in [("float32", 2, 1, 1), ("float32", 4, 2, 1), ("bfloat16", 2, 1, 2),
                                   ("bfloat16", 4, 2, 1), ("bfloat16", 8, 2, 1), ("float16", 2, 1, 2),
